@@ -1,0 +1,242 @@
+"""The d3 text graph: Qwen3.5 text backbone + last-token readout, written for ONNX export.
+
+It reads the weights of transformers' `Qwen3_5Model` (same modules, same names) and reproduces its forward pass
+(spec 4.13/4.14) in a form `torch.onnx.export(dynamo=True)` keeps dynamic:
+
+* the chunked gated-delta rule runs its chunk loop on torch's `scan` (lowered to ONNX `Scan`), so the number of
+  chunks follows the sequence length instead of being unrolled and pinned to the trace length;
+* the unit-lower-triangular solve of each chunk is an inverse by repeated squaring: for a strictly lower
+  triangular N of size C, (I - N)^-1 = (I + N)(I + N^2)(I + N^4)...(I + N^(C/2)), since N^C = 0;
+* the 3-D M-RoPE positions are a graph input (computed by the runtime, spec 4.11);
+* attention masks are built in the graph from the 2-D padding mask: causal for `causal`, bidirectional over the
+  whole prompt for `noncausal_full_attention` (full-attention layers only; Gated DeltaNet stays causal, spec 4.3).
+
+Inputs: input_ids [B, L] int64, attention_mask [B, L] int64 (right padding), position_ids [3, B, L] int64.
+Output: code_logits [B, len(codes)] float32 at each row's last real token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._higher_order_ops.scan import scan
+
+CHUNK = 64
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _norm_1p(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5 RMSNorm, `(1 + w)` form, computed in float32."""
+    return (_rms(x.float(), norm.eps) * (1.0 + norm.weight.float())).to(x.dtype)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _unit_lower_inverse(strict_lower: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for a strictly lower triangular A [..., C, C], C a power of two, by repeated squaring."""
+    size = strict_lower.shape[-1]
+    eye = torch.eye(size, dtype=strict_lower.dtype, device=strict_lower.device)
+    power = -strict_lower
+    inverse = eye + power
+    for _ in range(int(math.log2(size)) - 1):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
+
+
+def _chunk_step(state: torch.Tensor, chunk: list[torch.Tensor]):
+    """One chunk of the gated delta rule: read the carried state, then update it (the scan body)."""
+    q, k, new_v, k_cumdecay, attn, chunk_decay = chunk
+    v_new = new_v - k_cumdecay @ state
+    out = q @ state + attn @ v_new
+    next_state = state * chunk_decay + k.transpose(-1, -2) @ v_new
+    return next_state, out.clone()
+
+
+def chunk_gated_delta_rule(query, key, value, g, beta):
+    """Gated delta rule over [B, L, H, D] inputs (causal, zero initial state); returns [B, L, H, Dv]."""
+    query, key, value, beta, g = (x.transpose(1, 2).float() for x in (query, key, value, beta, g))
+    query = _l2norm(query) * (query.shape[-1] ** -0.5)
+    key = _l2norm(key)
+    batch, heads, length, _ = key.shape
+    v_dim = value.shape[-1]
+    chunks = (length + CHUNK - 1) // CHUNK
+    pad = chunks * CHUNK - length
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    query, key, k_beta, v_beta = (x.reshape(batch, heads, chunks, CHUNK, x.shape[-1])
+                                  for x in (query, key, k_beta, v_beta))
+    g = g.reshape(batch, heads, chunks, CHUNK)
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=query.device).triu(1)
+    cum = g.cumsum(dim=-1)
+    pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    ut_system = ((k_beta @ key.transpose(-1, -2)) * pairwise).tril(-1)
+    intra = (query @ key.transpose(-1, -2)) * pairwise
+    inverse = _unit_lower_inverse(ut_system)
+    new_values = inverse @ v_beta
+    k_cumdecay = inverse @ (k_beta * cum.exp().unsqueeze(-1))
+    query = query * cum.exp().unsqueeze(-1)
+    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    # Chunks first and (batch, heads) flattened: the scan body is plain 3-D bmm, which the ONNX decomposition
+    # keeps free of symbolic reshapes.
+    xs = [x.movedim(2, 0).flatten(1, 2) for x in (query, key, new_values, k_cumdecay, intra, chunk_decay)]
+    # The zero state is derived from the data so that its batch dimension stays symbolic in the export.
+    state = torch.zeros_like(xs[1][0].transpose(-1, -2) @ xs[2][0])
+    _, out = scan(_chunk_step, state, xs)
+    out = out.unflatten(1, (batch, heads)).movedim(0, 2).reshape(batch, heads, chunks * CHUNK, v_dim)[:, :, :length]
+    return out.transpose(1, 2)
+
+
+class GatedDeltaNetLayer(nn.Module):
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+        hf = self.hf
+        hidden = hidden * pad_mask[:, :, None].to(hidden.dtype)
+        batch, length, _ = hidden.shape
+        mixed = hf.in_proj_qkv(hidden).transpose(1, 2)
+        mixed = F.conv1d(mixed, hf.conv1d.weight, None, padding=hf.conv_kernel_size - 1, groups=hf.conv_dim)
+        mixed = F.silu(mixed[:, :, :length]).transpose(1, 2)
+        query, key, value = torch.split(mixed, [hf.key_dim, hf.key_dim, hf.value_dim], dim=-1)
+        query = query.reshape(batch, length, -1, hf.head_k_dim)
+        key = key.reshape(batch, length, -1, hf.head_k_dim)
+        value = value.reshape(batch, length, -1, hf.head_v_dim)
+        z = hf.in_proj_z(hidden).reshape(batch, length, -1, hf.head_v_dim)
+        beta = hf.in_proj_b(hidden).sigmoid()
+        g = -hf.A_log.float().exp() * F.softplus(hf.in_proj_a(hidden).float() + hf.dt_bias)
+        repeat = hf.num_v_heads // hf.num_k_heads
+        if repeat > 1:
+            query = query.repeat_interleave(repeat, dim=2)
+            key = key.repeat_interleave(repeat, dim=2)
+        core = chunk_gated_delta_rule(query, key, value, g, beta).to(hidden.dtype)
+        norm = hf.norm
+        gated = _rms(core.float(), norm.variance_epsilon).to(hidden.dtype) * norm.weight
+        gated = (gated * F.silu(z.float())).to(hidden.dtype)
+        return hf.out_proj(gated.reshape(batch, length, -1))
+
+
+class FullAttentionLayer(nn.Module):
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, hidden, cos, sin, additive_mask):
+        hf = self.hf
+        batch, length, _ = hidden.shape
+        head_dim = hf.head_dim
+        query, gate = torch.chunk(hf.q_proj(hidden).view(batch, length, -1, head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(batch, length, -1)
+        query = _norm_1p(hf.q_norm, query).transpose(1, 2)
+        key = _norm_1p(hf.k_norm, hf.k_proj(hidden).view(batch, length, -1, head_dim)).transpose(1, 2)
+        value = hf.v_proj(hidden).view(batch, length, -1, head_dim).transpose(1, 2)
+        query, key = _rotary(query, cos, sin), _rotary(key, cos, sin)
+        groups = hf.num_key_value_groups
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+        scores = (query @ key.transpose(-1, -2)) * hf.scaling + additive_mask
+        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+        out = (probs @ value).transpose(1, 2).reshape(batch, length, -1)
+        return hf.o_proj(out * torch.sigmoid(gate))
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary(x, cos, sin):
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+class D3TextGraph(nn.Module):
+    """Qwen3.5 text backbone (weights shared with a transformers `Qwen3_5Model`) + readout at the last token."""
+
+    def __init__(self, hf_model: nn.Module, readout_weight: torch.Tensor, readout_bias: torch.Tensor | None,
+                 attention_mode: str):
+        super().__init__()
+        if attention_mode not in ("causal", "noncausal_full_attention"):
+            raise ValueError(f"unsupported attention_mode {attention_mode!r}")
+        text = hf_model.language_model
+        self.config = text.config
+        self.embed_tokens = text.embed_tokens
+        self.final_norm = text.norm
+        self.bidirectional = attention_mode == "noncausal_full_attention"
+        self.layers = nn.ModuleList()
+        self.mixers = nn.ModuleList()
+        for layer in text.layers:
+            self.layers.append(layer)
+            if layer.block_type == "linear_attention":
+                self.mixers.append(GatedDeltaNetLayer(layer.linear_attn))
+            else:
+                self.mixers.append(FullAttentionLayer(layer.self_attn))
+        rotary = text.rotary_emb
+        self.register_buffer("inv_freq", rotary.inv_freq.float().clone(), persistent=False)
+        # Interleaved M-RoPE: frequency j reads the T, H or W position (spec 4.11).
+        channel = torch.zeros(self.inv_freq.shape[0], dtype=torch.long)
+        for axis, offset in ((1, 1), (2, 2)):
+            channel[slice(offset, rotary.mrope_section[axis] * 3, 3)] = axis
+        self.register_buffer("freq_channel", channel, persistent=False)
+        self.attention_scaling = float(rotary.attention_scaling)
+        self.register_buffer("readout_weight", readout_weight.float().clone(), persistent=False)
+        self.register_buffer("readout_bias", None if readout_bias is None else readout_bias.float().clone(),
+                             persistent=False)
+
+    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        freqs = position_ids[..., None].float() * self.inv_freq  # [3, B, L, F]
+        index = self.freq_channel.view(1, 1, 1, -1).expand(1, freqs.shape[1], freqs.shape[2], -1)
+        freqs = torch.gather(freqs, 0, index)[0]  # [B, L, F]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]
+        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
+        return cos, sin
+
+    def _attention_mask(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, L]
+        if not self.bidirectional:
+            length = attention_mask.shape[1]
+            causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+            keys = keys & causal[None, None]
+        zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
+        return torch.where(keys, zero, torch.finfo(dtype).min)
+
+    def hidden_states(self, input_ids, attention_mask, position_ids):
+        hidden = self.embed_tokens(input_ids)
+        dtype = hidden.dtype
+        cos, sin = self._rope(position_ids, dtype)
+        additive = self._attention_mask(attention_mask, dtype)
+        pad_mask = attention_mask
+        for layer, mixer in zip(self.layers, self.mixers):
+            residual = hidden
+            normed = _norm_1p(layer.input_layernorm, hidden)
+            if isinstance(mixer, GatedDeltaNetLayer):
+                mixed = mixer(normed, pad_mask)
+            else:
+                mixed = mixer(normed, cos, sin, additive)
+            hidden = residual + mixed
+            residual = hidden
+            hidden = residual + layer.mlp(_norm_1p(layer.post_attention_layernorm, hidden))
+        return _norm_1p(self.final_norm, hidden)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
+        last = attention_mask.sum(dim=1) - 1
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
+        logits = pooled @ self.readout_weight.t()
+        if self.readout_bias is not None:
+            logits = logits + self.readout_bias
+        return logits
