@@ -143,7 +143,7 @@ def build_d3_checkpoint(out: str | Path, size: str = "tiny", attention_mode: str
     codes = answer_codes()
     hidden = config.text_config.hidden_size
     generator = torch.Generator().manual_seed(seed + 1)
-    readout = torch.randn(len(codes), hidden, generator=generator) * (4.0 / hidden**0.5)
+    readout = torch.randn(len(codes), hidden, generator=generator) * (1.5 / hidden**0.5)
     save_file({"weight": readout.to(torch.bfloat16).contiguous()}, str(out / "readout.safetensors"))
 
     from tokenizers import Tokenizer

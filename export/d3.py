@@ -1,0 +1,106 @@
+"""Export config of family d3: a bare `Qwen3_5Model` checkpoint + `readout.safetensors` + `decision_config.json`.
+
+Like an optimum export config, it knows the architecture's reference model (transformers' `Qwen3_5Model` plus the
+readout, spec 4.13/4.14), the exportable graph, its inputs and their dynamic axes, and the files the runtime needs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..models.d3 import DecisionConfig
+from .qwen3_5_text import D3TextGraph
+
+TEXT_INPUTS = ["input_ids", "attention_mask", "position_ids"]
+TEXT_OUTPUTS = ["code_logits"]
+# Which axes of each input are batch (B) and sequence (L).
+TEXT_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
+             "position_ids": {1: "batch", 2: "sequence"}}
+
+
+def is_d3_checkpoint(root: Path) -> bool:
+    """Spec 4.1: `architectures == ["Qwen3_5Model"]` and a `decision_config.json`."""
+    config = root / "config.json"
+    if not config.is_file():
+        return False
+    architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures")
+    return architectures == ["Qwen3_5Model"] and (root / "decision_config.json").is_file()
+
+
+class D3ExportConfig:
+    family = "d3"
+
+    def __init__(self, checkpoint: Path):
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, Qwen3_5Model
+
+        self.checkpoint = checkpoint
+        self.decision_config = DecisionConfig.load(checkpoint / "decision_config.json")
+        config = AutoConfig.from_pretrained(checkpoint)
+        self.text_config = config.text_config
+        # fp32 reference and graph; eager attention so that a dict of explicit masks is honoured.
+        self.model = Qwen3_5Model.from_pretrained(checkpoint, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+        readout = load_file(str(checkpoint / "readout.safetensors"))
+        if "weight" not in readout:
+            raise ValueError("readout.safetensors must hold a tensor named 'weight'")
+        self.readout_weight = readout["weight"].float()
+        self.readout_bias = readout["bias"].float() if "bias" in readout else None
+        expected = (len(self.decision_config.codes), self.text_config.hidden_size)
+        if tuple(self.readout_weight.shape) != expected:
+            raise ValueError(f"readout weight has shape {tuple(self.readout_weight.shape)}; "
+                             f"decision_config.json and config.json need {expected}")
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.text_config.max_position_embeddings)
+
+    @property
+    def attention_mode(self) -> str:
+        return self.decision_config.attention_mode
+
+    def graph(self) -> D3TextGraph:
+        return D3TextGraph(self.model, self.readout_weight, self.readout_bias, self.attention_mode).eval()
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        # Three chunks of the delta rule and two distinct lengths, so no size is 0/1-specialised in the trace.
+        batch, length = 2, 150
+        ids = torch.randint(0, 1000, (batch, length))
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[1, 100:] = 0
+        positions = torch.arange(length).view(1, 1, length).expand(3, batch, length).contiguous()
+        return ids, mask, positions
+
+    @torch.no_grad()
+    def reference_logits(self, token_ids: list[int], positions: np.ndarray) -> np.ndarray:
+        """The torch model on one unpadded prompt: readout logits at its last token (spec 4.13)."""
+        ids = torch.tensor([token_ids])
+        pos = torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1)
+        kwargs: dict[str, Any] = {}
+        if self.attention_mode == "noncausal_full_attention":
+            length = len(token_ids)
+            kwargs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length),
+                                        "linear_attention": None}
+        hidden = self.model(input_ids=ids, position_ids=pos, **kwargs).last_hidden_state[0, -1].float()
+        logits = hidden @ self.readout_weight.t()
+        if self.readout_bias is not None:
+            logits = logits + self.readout_bias
+        return logits.numpy()
+
+    def write_runtime_files(self, out: Path) -> dict[str, Any]:
+        """Tokenizer (as transformers rebuilds it, spec 4.7), chat template, decision config. Returns manifest bits."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+        tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+        template = tokenizer.chat_template
+        if not isinstance(template, str) or not template:
+            raise ValueError("the checkpoint's tokenizer has no chat template; d3 renders with the tokenizer's own")
+        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+        (out / "decision_config.json").write_bytes((self.checkpoint / "decision_config.json").read_bytes())
+        return {"tokenizer_class": type(tokenizer).__name__, "special_tokens": dict(tokenizer.special_tokens_map)}

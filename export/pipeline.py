@@ -1,0 +1,207 @@
+"""checkpoint -> ONNX artifact: load, export, check the graph against the torch model, then write.
+
+The artifact is assembled in a staging directory and moved into place only when the graph's inputs are symbolic
+and its parity with the torch model holds at every sample length; otherwise nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST
+from .source import file_hashes, resolve_checkpoint
+
+OPSET = 18
+PARITY_LENGTHS = (1, 7, 77, 200, 1000)
+DEFAULT_ATOL = 2e-3  # max |code logit difference| (fp32 graph vs fp32 eager torch)
+DEFAULT_PROB_ATOL = 1e-4  # max |probability difference| over all codes, at the checkpoint's temperature
+
+
+class ParityError(RuntimeError):
+    pass
+
+
+def _versions() -> dict[str, str]:
+    names = ["systemone-onnx", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "tokenizers"]
+    found = {"python": platform.python_version()}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+class Progress:
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.step, self.stream, self.start = total, 0, stream, time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        self.step += 1
+        print(f"[{self.step}/{self.total} {time.monotonic() - self.start:6.1f}s] {message}", file=self.stream,
+              flush=True)
+
+
+def symbolic_axes(model_path: Path, axes: dict[str, dict[int, str]]) -> dict[str, list[str | int]]:
+    """Check that every declared batch/sequence axis of the graph's inputs is symbolic, consistently named."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
+    symbols: dict[str, str] = {}
+    for name, wanted in axes.items():
+        if name not in shapes:
+            raise ParityError(f"exported graph lacks input {name!r}")
+        for axis, role in wanted.items():
+            dim = shapes[name][axis]
+            if not isinstance(dim, str) or not dim:
+                raise ParityError(f"exported graph pins {name}[{axis}] ({role}) to {dim}: the export specialised "
+                                  "a dynamic axis to the trace shape")
+            if symbols.setdefault(role, dim) != dim:
+                raise ParityError(f"exported graph gives the {role} axis two names ({symbols[role]}, {dim})")
+    return shapes
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def check_parity(run_graph: Callable[[list[list[int]]], np.ndarray],
+                 reference: Callable[[list[int]], np.ndarray], prompts: Sequence[tuple[str, list[int]]],
+                 temperature: float, atol: float, prob_atol: float) -> dict[str, Any]:
+    """Graph (all prompts as one right-padded batch) vs the torch model (each prompt alone)."""
+    graph = run_graph([ids for _, ids in prompts])
+    rows = []
+    for (label, ids), got in zip(prompts, graph):
+        want = reference(ids)
+        dlogit = float(np.abs(got - want).max())
+        dprob = float(np.abs(_softmax(got / temperature) - _softmax(want / temperature)).max())
+        rows.append({"sample": label, "tokens": len(ids), "max_abs_logit_diff": dlogit, "max_abs_prob_diff": dprob,
+                     "same_argmax": bool(np.argmax(got) == np.argmax(want))})
+    report = {"atol": atol, "prob_atol": prob_atol, "samples": rows,
+              "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
+              "max_abs_prob_diff": max(r["max_abs_prob_diff"] for r in rows)}
+    bad = [r for r in rows if r["max_abs_logit_diff"] > atol or r["max_abs_prob_diff"] > prob_atol]
+    if bad:
+        worst = max(bad, key=lambda r: r["max_abs_logit_diff"])
+        raise ParityError(f"exported graph disagrees with the torch model on {len(bad)} of {len(rows)} samples "
+                          f"(worst: {worst['sample']}, {worst['tokens']} tokens, logit diff "
+                          f"{worst['max_abs_logit_diff']:.3g} > {atol:g} or prob diff "
+                          f"{worst['max_abs_prob_diff']:.3g} > {prob_atol:g}); no artifact written")
+    return report
+
+
+def _sample_prompts(staging: Path, lengths: Sequence[int], seed: int) -> list[tuple[str, list[int]]]:
+    """Random token runs of the given lengths plus real d3 prompts rendered as the runtime renders them."""
+    from ..models.d3 import D3Family, DecisionConfig
+    from ..models.questions import parse_questions
+    from ..models.request import parse_request
+    from ..runtime.chat_template import ChatTemplate
+    from ..runtime.tokenizer import PromptTokenizer
+
+    rng = np.random.default_rng(seed)
+    prompts = [(f"random-{n}", rng.integers(0, 150_000, n).tolist()) for n in lengths]
+    manifest_bits = json.loads((staging / "runtime_files.json").read_text())
+    family = D3Family(DecisionConfig.load(staging / "decision_config.json"))
+    template = ChatTemplate((staging / "chat_template.jinja").read_text(), manifest_bits["special_tokens"])
+    tokenizer = PromptTokenizer(staging / "tokenizer.json")
+    request = parse_request({"state": {"ticket": "Refund not received after 10 days", "tier": "gold"},
+                             "questions": {
+                                 "urgent": {"type": "noul", "instructions": "Is it urgent?"},
+                                 "team": {"type": "choice", "criteria": {"billing": "money", "support": None}},
+                                 "mood": {"type": "score", "criteria": ["calm", "annoyed", "furious"]}}})
+    state = family.render_state(request.state)
+    for question in parse_questions(request.questions, family.option_limit):
+        text = template.render(family.messages(request, question, state), add_generation_prompt=True,
+                               enable_thinking=False)
+        prompts.append((f"prompt-{question.id}", tokenizer.encode(text)))
+    return prompts
+
+
+def export_checkpoint(source: str, out: str | Path, *, revision: str | None = None, atol: float = DEFAULT_ATOL,
+                      prob_atol: float = DEFAULT_PROB_ATOL, lengths: Sequence[int] = PARITY_LENGTHS,
+                      overwrite: bool = False, seed: int = 0) -> Path:
+    """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`."""
+    import onnx
+    import torch
+
+    from ..runtime.session import GraphSession
+    from ..runtime.text_batch import CodeLogitsRunner, text_positions
+    from .d3 import TEXT_AXES, TEXT_INPUTS, TEXT_OUTPUTS, D3ExportConfig, is_d3_checkpoint
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    progress = Progress(6)
+    progress(f"resolving checkpoint {source}")
+    checkpoint = resolve_checkpoint(source, revision)
+    if not is_d3_checkpoint(checkpoint):
+        raise ValueError(f"{checkpoint} is not a d3 checkpoint (config.json architectures == ['Qwen3_5Model'] "
+                         "and a decision_config.json, spec 4.1)")
+    progress("loading the torch reference model (fp32)")
+    config = D3ExportConfig(checkpoint)
+    torch.manual_seed(seed)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        progress("exporting the text graph with torch.onnx (dynamo, opset 18); this is the long step")
+        runtime_bits = config.write_runtime_files(staging)
+        (staging / "runtime_files.json").write_text(json.dumps(runtime_bits))
+        dims = {role: torch.export.Dim.DYNAMIC for role in ("batch", "sequence")}
+        dynamic_shapes = {name: {axis: dims[role] for axis, role in axes.items()} for name, axes in TEXT_AXES.items()}
+        graph_path = staging / "text.onnx"
+        with torch.no_grad():
+            torch.onnx.export(config.graph(), config.example_inputs(), str(graph_path), dynamo=True,
+                              opset_version=OPSET, external_data=True, input_names=TEXT_INPUTS,
+                              output_names=TEXT_OUTPUTS, dynamic_shapes=dynamic_shapes, verbose=False)
+        onnx.checker.check_model(str(graph_path))
+        progress("checking that batch and sequence axes are symbolic")
+        shapes = symbolic_axes(graph_path, TEXT_AXES)
+        progress(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts")
+        runner = CodeLogitsRunner(GraphSession(graph_path, "cpu"))
+        prompts = _sample_prompts(staging, lengths, seed)
+        parity = check_parity(runner.run, lambda ids: config.reference_logits(ids, text_positions(len(ids))),
+                              prompts, config.decision_config.temperature, atol, prob_atol)
+        progress("writing the artifact")
+        (staging / "runtime_files.json").unlink()
+        manifest = {
+            "format": ARTIFACT_FORMAT,
+            "format_version": ARTIFACT_VERSION,
+            "family": config.family,
+            "source": source,
+            "checkpoint": str(checkpoint),
+            "source_files": file_hashes(checkpoint),
+            "attention_mode": config.attention_mode,
+            "max_model_len": config.max_model_len,
+            "opset": OPSET,
+            "graphs": {"text": {"file": graph_path.name, "inputs": shapes, "outputs": TEXT_OUTPUTS,
+                                "dtype": "float32"}},
+            **runtime_bits,
+            "versions": _versions(),
+            "parity": parity,
+            "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+        if out.exists():
+            shutil.rmtree(out)
+        staging.chmod(0o755)
+        staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    print(f"artifact written to {out} (parity: max |logit diff| {parity['max_abs_logit_diff']:.2e}, "
+          f"max |prob diff| {parity['max_abs_prob_diff']:.2e})", file=sys.stderr)
+    return out

@@ -1,0 +1,41 @@
+"""Where a checkpoint comes from: a local directory or a hub id (resolved through the Hugging Face cache)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*", "*.model"]
+
+
+def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
+    """A local checkpoint directory for `source`: the directory itself, or the hub snapshot of `source`.
+
+    Hub ids go through `huggingface_hub.snapshot_download`, which honours HF_HOME, HF_HUB_OFFLINE and tokens; with
+    no network it answers from the local cache or fails naming the id.
+    """
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise ValueError(f"checkpoint {source!r} is a file; give a checkpoint directory or a hub id")
+    if source.count("/") != 1 or source.startswith((".", "/")):
+        raise ValueError(f"checkpoint {source!r} is neither a local directory nor a hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, revision=revision, allow_patterns=CHECKPOINT_PATTERNS))
+    except Exception as exc:  # the hub client raises many kinds; the message names the cause
+        raise ValueError(f"could not fetch checkpoint {source!r} from the hub or its cache: {exc}") from exc
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every file of the checkpoint, by relative path."""
+    hashes = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        hashes[str(path.relative_to(root))] = digest.hexdigest()
+    return hashes

@@ -1,0 +1,60 @@
+"""onnxruntime sessions: execution-provider choice and a thin run wrapper (no torch at serve time)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+PROVIDERS = {
+    "cuda": "CUDAExecutionProvider",
+    "rocm": "ROCMExecutionProvider",
+    "cpu": "CPUExecutionProvider",
+}
+DEVICES = ("auto", *PROVIDERS)
+
+
+class ProviderUnavailable(RuntimeError):
+    pass
+
+
+def resolve_providers(device: str) -> list[str]:
+    """The providers for `device`. Asking for one this onnxruntime lacks is an error, never a silent fallback."""
+    available = ort.get_available_providers()
+    if device == "auto":
+        for name in ("cuda", "rocm"):
+            if PROVIDERS[name] in available:
+                return [PROVIDERS[name], PROVIDERS["cpu"]]
+        return [PROVIDERS["cpu"]]
+    if device not in PROVIDERS:
+        raise ProviderUnavailable(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    provider = PROVIDERS[device]
+    if provider not in available:
+        raise ProviderUnavailable(f"device {device!r} needs {provider}, which this onnxruntime does not have "
+                                  f"(available: {', '.join(available)})")
+    return [provider] if device == "cpu" else [provider, PROVIDERS["cpu"]]
+
+
+class GraphSession:
+    """One ONNX graph on one device."""
+
+    def __init__(self, path: str | Path, device: str = "auto", threads: int | None = None):
+        providers = resolve_providers(device)
+        if providers[0] != PROVIDERS["cpu"] and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        self.provider = self.session.get_providers()[0]
+        if self.provider != providers[0]:
+            raise ProviderUnavailable(f"onnxruntime could not start {providers[0]} for {Path(path).name} "
+                                      f"(it started {self.provider})")
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.runs = 0
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.runs += 1
+        return self.session.run(None, feeds)
