@@ -93,14 +93,19 @@ class D3ExportConfig:
         return logits.numpy()
 
     def write_runtime_files(self, out: Path) -> dict[str, Any]:
-        """Tokenizer (as transformers rebuilds it, spec 4.7), chat template, decision config. Returns manifest bits."""
-        from transformers import AutoTokenizer
+        return write_runtime_files(self.checkpoint, out)
 
-        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-        tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
-        template = tokenizer.chat_template
-        if not isinstance(template, str) or not template:
-            raise ValueError("the checkpoint's tokenizer has no chat template; d3 renders with the tokenizer's own")
-        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
-        (out / "decision_config.json").write_bytes((self.checkpoint / "decision_config.json").read_bytes())
-        return {"tokenizer_class": type(tokenizer).__name__, "special_tokens": dict(tokenizer.special_tokens_map)}
+
+def write_runtime_files(checkpoint: Path, out: Path) -> dict[str, Any]:
+    """Tokenizer (as transformers builds it: the Qwen3.5 rebuild, spec 4.7), the tokenizer's chat template (spec
+    4.6: d3 renders with the tokenizer's own) and the decision config. Returns what the manifest records."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+    template = tokenizer.chat_template
+    if not isinstance(template, str) or not template:
+        raise ValueError("the checkpoint's tokenizer has no chat template; d3 renders with the tokenizer's own")
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    (out / "decision_config.json").write_bytes((checkpoint / "decision_config.json").read_bytes())
+    return {"tokenizer_class": type(tokenizer).__name__, "special_tokens": dict(tokenizer.special_tokens_map)}

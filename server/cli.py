@@ -1,0 +1,131 @@
+"""`systemone`: export a checkpoint, serve an artifact, ask it one request, or show what it reads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..runtime.session import DEVICES
+
+
+def _load_request(path: str) -> Any:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def _service(args: argparse.Namespace):
+    from ..runtime.artifact import Artifact
+    from ..runtime.service import DecisionService
+
+    return DecisionService(Artifact.load(args.artifact), device=args.device,
+                           served_model_names=args.served_model_name or None, max_model_len=args.max_model_len)
+
+
+def _print_error(exc: Exception) -> int:
+    from ..models.errors import DecisionError, SchemaError
+    from ..server.errors import error_body
+
+    if isinstance(exc, SchemaError):
+        body: Any = {"detail": [i.as_dict() for i in exc.issues]}
+    elif isinstance(exc, DecisionError):
+        body = error_body(exc.status, exc.message, exc.type, exc.param)
+    else:
+        raise exc
+    print(json.dumps(body, ensure_ascii=False, indent=2))
+    return 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..export.pipeline import export_checkpoint
+
+    export_checkpoint(args.source, args.out, revision=args.revision, atol=args.atol, prob_atol=args.prob_atol,
+                      overwrite=args.overwrite)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..server.app import create_app
+
+    app = create_app(_service(args), max_concurrency=args.max_concurrency)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from ..models.errors import DecisionError, SchemaError
+
+    service = _service(args)
+    try:
+        response = service.decide(_load_request(args.request))
+    except (DecisionError, SchemaError) as exc:
+        return _print_error(exc)
+    print(json.dumps(response, ensure_ascii=False, indent=2))
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from ..models.errors import DecisionError, SchemaError
+
+    service = _service(args)
+    try:
+        prompts = service.render(_load_request(args.request))
+    except (DecisionError, SchemaError) as exc:
+        return _print_error(exc)
+    print(json.dumps({"model": service.model_name, "questions": [
+        {"id": p.question.id, "tokens": len(p.token_ids), "text": p.text, "token_ids": p.token_ids}
+        for p in prompts]}, ensure_ascii=False, indent=2))
+    return 0
+
+
+def _runtime_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("artifact", help="an exported artifact directory")
+    parser.add_argument("--device", default="auto", choices=DEVICES,
+                        help="execution provider; one that is absent is an error (default: auto)")
+    parser.add_argument("--served-model-name", action="append", default=[],
+                        help="name(s) the model answers to; the first is reported (default: the export source)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt in tokens (default: the model's positions); nothing is truncated")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="systemone", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    export = sub.add_parser("export", help="checkpoint (directory or hub id) -> ONNX artifact")
+    export.add_argument("source")
+    export.add_argument("--out", required=True)
+    export.add_argument("--revision", default=None, help="hub revision")
+    export.add_argument("--atol", type=float, default=2e-3, help="max |code logit diff| vs torch")
+    export.add_argument("--prob-atol", type=float, default=1e-4, help="max |probability diff| vs torch")
+    export.add_argument("--overwrite", action="store_true")
+    export.set_defaults(func=cmd_export)
+
+    serve = sub.add_parser("serve", help="serve POST /v1/systemone")
+    _runtime_options(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-concurrency", type=int, default=1, help="requests running inference at once")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+
+    for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),
+                             ("render", cmd_render, "print each question's prompt text and token ids")):
+        cmd = sub.add_parser(name, help=text)
+        _runtime_options(cmd)
+        cmd.add_argument("--request", required=True, help="request JSON file, or - for stdin")
+        cmd.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

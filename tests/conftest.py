@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random d3 checkpoints in the released on-disk format, exported once per test run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scripts.build_d3_checkpoint import build_d3_checkpoint
+from systemone.export.pipeline import export_checkpoint
+from systemone.runtime.artifact import Artifact
+from systemone.runtime.service import DecisionService
+
+
+@pytest.fixture(scope="session")
+def d3_checkpoint(tmp_path_factory) -> Path:
+    return build_d3_checkpoint(tmp_path_factory.mktemp("ckpt") / "d3-tiny", attention_mode="noncausal_full_attention")
+
+
+@pytest.fixture(scope="session")
+def d3_causal_checkpoint(tmp_path_factory) -> Path:
+    return build_d3_checkpoint(tmp_path_factory.mktemp("ckpt") / "d3-tiny-causal", attention_mode="causal", seed=1)
+
+
+@pytest.fixture(scope="session")
+def d3_artifact(d3_checkpoint, tmp_path_factory) -> Path:
+    return export_checkpoint(str(d3_checkpoint), tmp_path_factory.mktemp("art") / "d3-tiny")
+
+
+@pytest.fixture(scope="session")
+def d3_causal_artifact(d3_causal_checkpoint, tmp_path_factory) -> Path:
+    return export_checkpoint(str(d3_causal_checkpoint), tmp_path_factory.mktemp("art") / "d3-tiny-causal")
+
+
+@pytest.fixture(scope="session")
+def d3_service(d3_artifact) -> DecisionService:
+    return DecisionService(Artifact.load(d3_artifact), device="cpu", served_model_names=["vllm-sr/d3-tiny"])
+
+
+@pytest.fixture(scope="session")
+def reference_tokenizer(d3_checkpoint):
+    """What vLLM tokenizes with: transformers' AutoTokenizer on the checkpoint (Qwen3_5Tokenizer, spec 4.7)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(d3_checkpoint)
