@@ -1,0 +1,122 @@
+"""The export (issue 2, item 3): a self-contained artifact, symbolic axes asserted, parity gate before writing,
+checkpoints from a local directory or a hub id."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from systemone.export.pipeline import ParityError, check_parity, export_checkpoint, symbolic_axes
+from systemone.export.source import resolve_checkpoint
+from systemone.runtime.session import GraphSession
+
+
+def test_artifact_is_self_contained(d3_artifact, d3_checkpoint):
+    files = {p.name for p in d3_artifact.iterdir()}
+    assert {"manifest.json", "text.onnx", "text.onnx.data", "tokenizer.json", "chat_template.jinja",
+            "decision_config.json"} <= files
+    manifest = json.loads((d3_artifact / "manifest.json").read_text())
+    assert manifest["family"] == "d3" and manifest["opset"] == 18
+    assert manifest["attention_mode"] == "noncausal_full_attention"
+    assert manifest["tokenizer_class"] == "Qwen3_5Tokenizer"
+    assert set(manifest["source_files"]) >= {"config.json", "model.safetensors", "readout.safetensors",
+                                             "decision_config.json", "tokenizer.json"}
+    assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(manifest["versions"])
+    parity = manifest["parity"]
+    assert [s["tokens"] for s in parity["samples"][:5]] == [1, 7, 77, 200, 1000]
+    assert parity["max_abs_prob_diff"] <= 1e-4
+    # The graph reads its weights from external data next to it.
+    model = onnx.load(str(d3_artifact / "text.onnx"), load_external_data=False)
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def test_graph_axes_are_symbolic_and_run_at_any_length(d3_artifact):
+    """The probe's trap: an export pinned to the trace length. Batch and sequence must be symbolic."""
+    shapes = symbolic_axes(d3_artifact / "text.onnx", {"input_ids": {0: "batch", 1: "sequence"}})
+    assert all(isinstance(d, str) for d in shapes["input_ids"])
+    session = GraphSession(d3_artifact / "text.onnx", "cpu")
+    for batch, length in ((1, 1), (4, 3), (2, 129)):
+        feeds = {"input_ids": np.ones((batch, length), np.int64), "attention_mask": np.ones((batch, length), np.int64),
+                 "position_ids": np.broadcast_to(np.arange(length), (3, batch, length)).astype(np.int64)}
+        assert session.run(feeds)[0].shape == (batch, 255)
+
+
+def test_a_pinned_axis_is_refused(tmp_path):
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", 150])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, ["batch", 150])
+    graph = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["y"])], "g", [x], [y])
+    onnx.save(helper.make_model(graph), str(tmp_path / "pinned.onnx"))
+    with pytest.raises(ParityError, match=r"pins input_ids\[1\] \(sequence\) to 150"):
+        symbolic_axes(tmp_path / "pinned.onnx", {"input_ids": {0: "batch", 1: "sequence"}})
+
+
+def test_parity_gate_reports_the_worst_sample():
+    prompts = [("ok", [1, 2, 3]), ("off", [4, 5])]
+    graph = np.array([[0.0, 1.0], [0.0, 1.0]], dtype=np.float32)
+    reference = {3: np.array([0.0, 1.0]), 2: np.array([0.0, 1.5])}
+    with pytest.raises(ParityError, match="1 of 2 samples .*worst: off, 2 tokens"):
+        check_parity(lambda _: graph, lambda ids: reference[len(ids)], prompts, 1.0, 2e-3, 1e-4)
+    report = check_parity(lambda _: graph[:1], lambda ids: reference[3], prompts[:1], 1.0, 2e-3, 1e-4)
+    assert report["max_abs_logit_diff"] == 0.0
+
+
+def test_export_writes_nothing_when_parity_is_off(d3_checkpoint, tmp_path, monkeypatch):
+    """Export refuses to write an artifact whose graph disagrees with the torch model."""
+    from systemone.export.d3 import D3ExportConfig
+
+    real = D3ExportConfig.reference_logits
+    monkeypatch.setattr(D3ExportConfig, "reference_logits", lambda self, ids, pos: real(self, ids, pos) + 0.01)
+    out = tmp_path / "art"
+    with pytest.raises(ParityError, match="no artifact written"):
+        export_checkpoint(str(d3_checkpoint), out, lengths=(7,))
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # no staging left behind
+
+
+def test_export_refuses_a_non_d3_checkpoint(d3_checkpoint, tmp_path):
+    source = tmp_path / "not-d3"
+    shutil.copytree(d3_checkpoint, source, ignore=shutil.ignore_patterns("*.safetensors", "decision_config.json"))
+    with pytest.raises(ValueError, match="is not a d3 checkpoint"):
+        export_checkpoint(str(source), tmp_path / "out")
+
+
+def test_hub_id_resolves_through_the_hub_cache(d3_checkpoint, tmp_path, monkeypatch):
+    """A hub id goes through huggingface_hub's snapshot_download; offline it answers from the cache."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--vllm-sr--d3-tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(d3_checkpoint, snapshot)
+    (cache / "models--vllm-sr--d3-tiny" / "refs").mkdir()
+    (cache / "models--vllm-sr--d3-tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    resolved = resolve_checkpoint("vllm-sr/d3-tiny")
+    assert resolved == snapshot and (resolved / "decision_config.json").is_file()
+    with pytest.raises(ValueError, match="could not fetch checkpoint 'vllm-sr/d3-missing'"):
+        resolve_checkpoint("vllm-sr/d3-missing")
+
+
+@pytest.mark.parametrize("source", ["not a hub id", "/no/such/dir", "a/b/c"])
+def test_bad_sources_are_named(source):
+    with pytest.raises(ValueError, match="neither a local directory nor a hub id"):
+        resolve_checkpoint(source)
+
+
+def test_existing_output_needs_overwrite(d3_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_checkpoint(str(d3_checkpoint), out)
+    assert (out / "keep").read_text() == "x"
+

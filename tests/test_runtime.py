@@ -1,0 +1,82 @@
+"""Runtime pieces: execution-provider choice (never a silent fallback), batching, no torch at serve time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from systemone.runtime.session import PROVIDERS, ProviderUnavailable, resolve_providers
+from systemone.runtime.text_batch import CodeLogitsRunner, pad_batch, text_positions
+
+
+def test_cpu_is_always_available():
+    assert resolve_providers("cpu") == ["CPUExecutionProvider"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "rocm"])
+def test_an_absent_provider_is_an_error(device):
+    if PROVIDERS[device] in ort.get_available_providers():
+        pytest.fail(f"this test expects a machine without {device}")
+    with pytest.raises(ProviderUnavailable, match=f"device '{device}' needs {PROVIDERS[device]}"):
+        resolve_providers(device)
+
+
+def test_auto_picks_an_accelerator_first(monkeypatch):
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert resolve_providers("auto") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert resolve_providers("auto") == ["CPUExecutionProvider"]
+
+
+def test_unknown_device_is_named():
+    with pytest.raises(ProviderUnavailable, match="device must be one of auto, cuda, rocm, cpu; got 'tpu'"):
+        resolve_providers("tpu")
+
+
+def test_pad_batch_right_pads_with_mask_and_positions():
+    feeds = pad_batch([[5, 6, 7], [8]], [text_positions(3), text_positions(1)])
+    assert feeds["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert feeds["position_ids"].shape == (3, 2, 3)
+    assert feeds["position_ids"][:, 0].tolist() == [[0, 1, 2]] * 3
+
+
+def test_batches_respect_the_token_budget():
+    runner = CodeLogitsRunner(session=None, max_batch_tokens=100)
+    groups = runner.batches([10, 60, 30, 50, 5])
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
+    lengths = [10, 60, 30, 50, 5]
+    for group in groups:
+        assert len(group) == 1 or max(lengths[i] for i in group) * len(group) <= 100
+
+
+def test_runner_returns_rows_in_prompt_order():
+    class Echo:
+        def run(self, feeds):
+            return [np.stack([feeds["input_ids"][:, 0], feeds["attention_mask"].sum(1)], axis=1).astype(np.float32)]
+
+    out = CodeLogitsRunner(Echo(), max_batch_tokens=8).run([[1, 1], [2], [3, 3, 3, 3, 3], [4, 4]])
+    assert out.tolist() == [[1, 2], [2, 1], [3, 5], [4, 2]]
+
+
+def test_serving_never_imports_torch_or_transformers(d3_artifact, tmp_path):
+    """Issue 2: the runtime and server answer a request without torch or transformers."""
+    request = tmp_path / "req.json"
+    request.write_text(json.dumps({"state": "x", "questions": {"q": {"type": "noul"}}}))
+    code = (
+        "import sys, json\n"
+        "from systemone.server.cli import main\n"
+        "import systemone.server.app\n"
+        f"rc = main(['ask', {str(d3_artifact)!r}, '--request', {str(request)!r}, '--device', 'cpu'])\n"
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "sys.exit(rc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["answers"]["q"]["type"] == "noul"
