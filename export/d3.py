@@ -79,18 +79,19 @@ class D3ExportConfig:
     @torch.no_grad()
     def reference_logits(self, token_ids: list[int], positions: np.ndarray) -> np.ndarray:
         """The torch model on one unpadded prompt: readout logits at its last token (spec 4.13)."""
-        ids = torch.tensor([token_ids])
-        pos = torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1)
+        device = self.model.device
+        ids = torch.tensor([token_ids], device=device)
+        pos = torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device)
         kwargs: dict[str, Any] = {}
         if self.attention_mode == "noncausal_full_attention":
             length = len(token_ids)
-            kwargs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length),
+            kwargs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length, device=device),
                                         "linear_attention": None}
         hidden = self.model(input_ids=ids, position_ids=pos, **kwargs).last_hidden_state[0, -1].float()
-        logits = hidden @ self.readout_weight.t()
+        logits = hidden @ self.readout_weight.to(device).t()
         if self.readout_bias is not None:
-            logits = logits + self.readout_bias
-        return logits.numpy()
+            logits = logits + self.readout_bias.to(device)
+        return logits.cpu().numpy()
 
     def write_runtime_files(self, out: Path) -> dict[str, Any]:
         return write_runtime_files(self.checkpoint, out)

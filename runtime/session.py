@@ -13,6 +13,8 @@ PROVIDERS = {
     "cpu": "CPUExecutionProvider",
 }
 DEVICES = ("auto", *PROVIDERS)
+# fp32 graphs stay fp32 on NVIDIA GPUs: no TF32 matmuls, whose 10-bit mantissa would move probabilities.
+PROVIDER_OPTIONS = {"CUDAExecutionProvider": {"use_tf32": "0"}}
 
 
 class ProviderUnavailable(RuntimeError):
@@ -47,7 +49,9 @@ class GraphSession:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        self.session = ort.InferenceSession(
+            str(path), sess_options=options,
+            providers=[(name, PROVIDER_OPTIONS[name]) if name in PROVIDER_OPTIONS else name for name in providers])
         self.provider = self.session.get_providers()[0]
         if self.provider != providers[0]:
             raise ProviderUnavailable(f"onnxruntime could not start {providers[0]} for {Path(path).name} "

@@ -6,43 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from scripts.parity import compare, parity_requests, question_set
 from systemone.export.d3 import D3ExportConfig
-from systemone.models.family import first_argmax
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.service import DecisionService
 from systemone.runtime.text_batch import text_positions
 
-STATES = [None, "The parcel arrived crushed and the customer wants a refund.", {"error": "Disk at 98%", "host": "db1"},
-          "नमस्ते — एक छोटा संदेश", ["a", 1, {"b": None}], "x" * 300, "Short.", {"tickets": list(range(40))}]
-
-
-def question_set(seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    n_choice = int(rng.integers(1, 30))
-    levels = int(rng.integers(2, 11))
-    return {
-        f"noul-{seed}": {"type": "noul", "instructions": f"Is case {seed} urgent?",
-                         "criteria": {"true": "yes, today"} if seed % 2 else None},
-        f"choice-{seed}": {"type": "choice", "instructions": "Which option fits?",
-                           "criteria": {f"option {i}": (f"about {i}" if i % 2 else None) for i in range(n_choice)}},
-        f"score-{seed}": {"type": "score", "criteria": [f"level {i}" for i in range(levels)]},
-    }
-
-
-REQUESTS = [{"state": STATES[i % len(STATES)], "questions": question_set(i)} for i in range(70)]
-
-
-def torch_probabilities(service: DecisionService, reference: D3ExportConfig, body: dict) -> dict[str, list[float]]:
-    """The torch model on each question's own prompt, read the way spec 4.13 reads it."""
-    probs = {}
-    for prompt in service.render(body):
-        logits = reference.reference_logits(prompt.token_ids, text_positions(len(prompt.token_ids)))
-        probs[prompt.question.id] = list(service.family.read(prompt.question, logits.tolist()).probs)
-    return probs
-
-
-def onnx_probabilities(service: DecisionService, body: dict) -> dict[str, list[float]]:
-    return {qid: list(answer["probabilities"].values()) for qid, answer in service.decide(body)["answers"].items()}
+REQUESTS = parity_requests(70)
 
 
 @pytest.fixture(scope="module", params=["noncausal_full_attention", "causal"])
@@ -58,19 +28,12 @@ def mode_pair(request, d3_checkpoint, d3_artifact, d3_causal_checkpoint, d3_caus
 def test_onnx_matches_torch_on_200_questions(mode_pair):
     """>= 200 questions per attention mode: every pick equal, max |dp| <= 1e-4."""
     service, reference = mode_pair
-    count, worst, spread = 0, 0.0, []
-    for body in REQUESTS:
-        want = torch_probabilities(service, reference, body)
-        got = onnx_probabilities(service, body)
-        for qid, probs in want.items():
-            assert first_argmax(got[qid]) == first_argmax(probs), qid
-            worst = max(worst, float(np.abs(np.array(got[qid]) - np.array(probs)).max()))
-            spread.append(max(probs))
-            count += 1
-    assert count >= 200
-    assert worst <= 1e-4, worst
+    report = compare(service, reference, REQUESTS)
+    assert report["questions"] >= 200
+    assert report["picks_differing"] == []
+    assert report["max_abs_dp"] <= 1e-4, report["max_abs_dp"]
     # The checkpoint's answers are not degenerate: picks are not all certain, so the tolerance means something.
-    assert np.median(spread) < 0.99
+    assert report["median_top_probability"] < 0.99
 
 
 def test_noncausal_mode_changes_the_answer(d3_checkpoint):
