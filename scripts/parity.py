@@ -109,7 +109,7 @@ def main() -> None:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
     from scripts.build_d3_checkpoint import RELEASED_TEXT, build_d3_checkpoint
     from systemone.export.d3 import D3ExportConfig
     from systemone.export.pipeline import export_checkpoint
