@@ -186,6 +186,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
             "source_files": file_hashes(checkpoint),
             "attention_mode": config.attention_mode,
             "max_model_len": config.max_model_len,
+            "num_attention_heads": int(config.text_config.num_attention_heads),
             "opset": OPSET,
             "graphs": {"text": {"file": graph_path.name, "inputs": shapes, "outputs": TEXT_OUTPUTS,
                                 "dtype": "float32"}},

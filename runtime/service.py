@@ -19,7 +19,7 @@ from ..models.request import DecisionRequest, parse_request
 from .artifact import Artifact
 from .chat_template import ChatTemplateError
 from .session import GraphSession
-from .text_batch import CodeLogitsRunner
+from .text_batch import CodeLogitsRunner, attention_bytes
 
 RESPONSE_OBJECT = "structured_decision"
 ID_PREFIX = "decision-"
@@ -40,16 +40,22 @@ class DecisionService:
     """Answers `/v1/systemone` bodies for one artifact on one device."""
 
     def __init__(self, artifact: Artifact, device: str = "auto", served_model_names: list[str] | None = None,
-                 max_model_len: int | None = None, max_batch_tokens: int = 32768, threads: int | None = None):
+                 max_model_len: int | None = None, max_batch_tokens: int = 32768, threads: int | None = None,
+                 attention_budget: int = 4 << 30):
         self.artifact = artifact
         self.family = artifact.family
         self.served_model_names = served_model_names or [artifact.source]
-        self.max_model_len = max_model_len or artifact.max_model_len
-        if self.max_model_len > artifact.max_model_len:
-            raise ValueError(f"max_model_len={self.max_model_len} is more than the model's "
+        heads = int(artifact.manifest.get("num_attention_heads", 1))
+        # The graph materialises full-attention scores (O(L^2)): the longest prompt one request may hold is
+        # bounded by the attention budget, so memory stays bounded and a long prompt gets a 400, never an OOM.
+        memory_len = int((attention_budget / attention_bytes(1, 1, heads)) ** 0.5)
+        self.max_model_len = min(max_model_len or artifact.max_model_len, memory_len)
+        if max_model_len and max_model_len > artifact.max_model_len:
+            raise ValueError(f"max_model_len={max_model_len} is more than the model's "
                              f"{artifact.max_model_len} positions")
         self.session = GraphSession(artifact.graph_path("text"), device, threads)
-        self.runner = CodeLogitsRunner(self.session, max_batch_tokens)
+        self.runner = CodeLogitsRunner(self.session, max(max_batch_tokens, self.max_model_len), heads,
+                                       attention_budget)
 
     @property
     def model_name(self) -> str:
@@ -99,10 +105,16 @@ class DecisionService:
         return prompts
 
     # -- the whole request (spec 5) --------------------------------------------------------------------------
-    def decide(self, body: Any, header_request_id: str | None = None) -> dict[str, Any]:
+    def decide(self, body: Any, header_request_id: str | None = None, run_options: Any = None) -> dict[str, Any]:
+        """Answer one body; `run_options` (onnxruntime RunOptions) lets the caller stop the run in flight."""
         request, questions = self.validate(body)
+        return self.answer(request, questions, header_request_id, run_options)
+
+    def answer(self, request: DecisionRequest, questions: list[Question], header_request_id: str | None = None,
+               run_options: Any = None) -> dict[str, Any]:
+        """Answer a request that `validate` accepted: prompts, one batch, answers."""
         prompts = self._prompts(request, questions)
-        logits = self.runner.run([p.token_ids for p in prompts])
+        logits = self.runner.run([p.token_ids for p in prompts], run_options)
         answers, diagnostics = {}, {}
         for question, row in zip(questions, logits):
             read = self.family.read(question, row.tolist())

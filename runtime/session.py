@@ -59,6 +59,7 @@ class GraphSession:
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.runs = 0
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+        """Run the graph; `run_options.terminate = True` from another thread stops a run in flight."""
         self.runs += 1
-        return self.session.run(None, feeds)
+        return self.session.run(None, feeds, run_options)

@@ -30,30 +30,43 @@ def pad_batch(prompts: Sequence[Sequence[int]], positions: Sequence[np.ndarray],
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
-class CodeLogitsRunner:
-    """Runs d3 prompts through the text graph, in sub-batches of at most `max_batch_tokens` padded tokens."""
+def attention_bytes(batch: int, length: int, heads: int) -> int:
+    """Memory of one full-attention layer's scores and probabilities (float32): the graph materialises them."""
+    return 2 * 4 * heads * batch * length * length
 
-    def __init__(self, session: GraphSession, max_batch_tokens: int = 32768):
+
+class CodeLogitsRunner:
+    """Runs d3 prompts through the text graph in padded sub-batches, each within a padded-token budget and an
+    attention-memory budget (so a request's memory is bounded whatever its questions)."""
+
+    def __init__(self, session: GraphSession, max_batch_tokens: int = 32768, heads: int = 1,
+                 attention_budget: int = 4 << 30):
         self.session = session
         self.max_batch_tokens = max_batch_tokens
+        self.heads = heads
+        self.attention_budget = attention_budget
+
+    def fits(self, batch: int, length: int) -> bool:
+        return (batch * length <= self.max_batch_tokens
+                and attention_bytes(batch, length, self.heads) <= self.attention_budget)
 
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Group prompt indices (longest first) so that each padded batch stays within the token budget."""
+        """Group prompt indices (longest first) so that each padded batch stays within both budgets."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         groups: list[list[int]] = []
         for index in order:
-            if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= self.max_batch_tokens:
+            if groups and self.fits(len(groups[-1]) + 1, lengths[groups[-1][0]]):
                 groups[-1].append(index)
             else:
                 groups.append([index])
         return groups
 
-    def run(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+    def run(self, prompts: Sequence[Sequence[int]], run_options=None) -> np.ndarray:
         """Code logits [len(prompts), n_codes] float32, in prompt order."""
         out: list[np.ndarray | None] = [None] * len(prompts)
         for group in self.batches([len(p) for p in prompts]):
             feeds = pad_batch([prompts[i] for i in group], [text_positions(len(prompts[i])) for i in group])
-            (logits,) = self.session.run(feeds)
+            (logits,) = self.session.run(feeds, run_options)
             for row, index in enumerate(group):
                 out[index] = logits[row]
         return np.stack(out)

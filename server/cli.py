@@ -10,6 +10,8 @@ from typing import Any
 
 from ..runtime.session import DEVICES
 
+API_KEY_ENV = "SYSTEMONE_API_KEY"
+
 
 def _load_request(path: str) -> Any:
     text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
@@ -47,12 +49,26 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
     import uvicorn
 
-    from ..server.app import create_app
+    from ..server.app import ServerOptions, create_app
+    from ..server.auth import is_loopback
 
-    app = create_app(_service(args), max_concurrency=args.max_concurrency)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None and not is_loopback(args.host) and not args.allow_unauthenticated:
+        print(f"refusing to serve on {args.host} without an API key: set --api-key (or {API_KEY_ENV}), bind a "
+              "loopback address, or pass --allow-unauthenticated", file=sys.stderr)
+        return 2
+    options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                            request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                            log_requests=args.log_requests)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(_service(args), options)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(args.request_timeout) + 5)
     return 0
 
 
@@ -109,7 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_options(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help=f"require Authorization: Bearer KEY (or set {API_KEY_ENV}); without one the header is "
+                            "ignored")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="serve on a non-loopback address without an API key")
     serve.add_argument("--max-concurrency", type=int, default=1, help="requests running inference at once")
+    serve.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot; more get 503")
+    serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds a request may take (503 after)")
+    serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
+                       help="largest request body, compressed or decompressed (413 over it)")
+    serve.add_argument("--log-requests", action="store_true", help="log request bodies (they hold the state)")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=cmd_serve)
 

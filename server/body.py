@@ -1,0 +1,131 @@
+"""Request bodies off the wire: size cap, Content-Encoding (zstd, gzip), UTF-8 JSON, and values Python can render.
+
+Every failure is a client error with a JSON body: 413 over a size cap (compressed or decompressed), 415 for an
+encoding we do not read, 422 (FastAPI's shape) for bytes that are not a JSON document we can answer.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zstandard
+
+from ..models.errors import DecisionError, SchemaError, SchemaIssue
+
+ENCODINGS = ("identity", "gzip", "x-gzip", "zstd")
+MAX_DEPTH = 256  # JSON nesting levels; deeper documents are refused before Python's recursion limits bite
+
+
+class BodyTooLarge(DecisionError):
+    def __init__(self, limit: int, what: str = "request body"):
+        super().__init__(f"{what} is larger than this server's limit of {limit} bytes (--max-body-bytes)",
+                         status=413, type="RequestEntityTooLarge")
+
+
+class UnsupportedEncoding(DecisionError):
+    def __init__(self, encoding: str):
+        super().__init__(f"Content-Encoding {encoding!r} is not supported; use one of zstd, gzip, identity",
+                         status=415, type="UnsupportedMediaType")
+
+
+async def read_capped(chunks: AsyncIterator[bytes], declared: str | None, limit: int) -> bytes:
+    """The raw body, refusing more than `limit` bytes (by Content-Length first, then as it streams in)."""
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise BodyTooLarge(limit)
+        except ValueError:
+            raise DecisionError("Content-Length is not a number") from None
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _inflate_gzip(raw: bytes, limit: int) -> bytes:
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise DecisionError(f"gzip body could not be decompressed: {exc}") from exc
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise BodyTooLarge(limit, "decompressed request body")
+    if not inflater.eof:
+        raise DecisionError("gzip body is truncated")
+    return out
+
+
+def _inflate_zstd(raw: bytes, limit: int) -> bytes:
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        out = reader.read(limit + 1)
+    except zstandard.ZstdError as exc:
+        raise DecisionError(f"zstd body could not be decompressed: {exc}") from exc
+    if len(out) > limit:
+        raise BodyTooLarge(limit, "decompressed request body")
+    return out
+
+
+def decode_content(raw: bytes, encoding_header: str | None, limit: int) -> bytes:
+    """Undo the Content-Encoding (one or a comma-separated chain), each step capped at `limit` bytes."""
+    encodings = [e.strip().lower() for e in (encoding_header or "").split(",") if e.strip()]
+    for encoding in reversed(encodings):
+        if encoding not in ENCODINGS:
+            raise UnsupportedEncoding(encoding)
+        if encoding in ("gzip", "x-gzip"):
+            raw = _inflate_gzip(raw, limit)
+        elif encoding == "zstd":
+            raw = _inflate_zstd(raw, limit)
+    return raw
+
+
+def _check_values(document: Any) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and strings that are not Unicode (lone surrogates from `\\ud800`)."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(document, ())]
+    while stack:
+        value, loc = stack.pop()
+        if len(loc) > MAX_DEPTH:
+            raise SchemaError([SchemaIssue(loc[:MAX_DEPTH], f"JSON is nested more than {MAX_DEPTH} levels deep",
+                                           "json_invalid")])
+        if isinstance(value, str):
+            _check_text(value, loc)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, (*loc, key))
+                stack.append((item, (*loc, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*loc, i)) for i, item in enumerate(value))
+
+
+def _check_text(text: str, loc: tuple[Any, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        safe_loc = tuple(k.encode("utf-8", "backslashreplace").decode() if isinstance(k, str) else k for k in loc)
+        raise SchemaError([SchemaIssue(safe_loc, "String is not valid Unicode: it holds a lone surrogate",
+                                       "string_unicode")]) from None
+
+
+def parse_json(raw: bytes) -> Any:
+    """UTF-8 JSON -> Python values as FastAPI reads them (NaN/Infinity allowed, last duplicate key wins)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SchemaError([SchemaIssue((exc.start,), "JSON decode error: invalid UTF-8", "json_invalid")]) from exc
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SchemaError([SchemaIssue((exc.pos,), f"JSON decode error: {exc.msg}", "json_invalid")]) from exc
+    except RecursionError as exc:
+        raise SchemaError([SchemaIssue((), f"JSON is nested more than {MAX_DEPTH} levels deep",
+                                       "json_invalid")]) from exc
+    except ValueError as exc:  # e.g. an integer longer than Python's int string conversion limit
+        raise SchemaError([SchemaIssue((), f"JSON decode error: {exc}", "json_invalid")]) from exc
+    _check_values(document)
+    return document

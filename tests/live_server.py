@@ -1,0 +1,40 @@
+"""A real uvicorn server on a loopback port, in a background thread of the test process."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
+
+from systemone.runtime.service import DecisionService
+from systemone.server.app import ServerOptions, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(service: DecisionService, options: ServerOptions | None = None):
+    """Yield the base URL of a server answering with `service`; stop it (gracefully) on exit."""
+    port = free_port()
+    config = uvicorn.Config(create_app(service, options), host="127.0.0.1", port=port, log_level="warning",
+                            timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
