@@ -31,7 +31,7 @@ log = logging.getLogger("systemone.server")
 
 JSON_MEDIA_TYPE = "application/json"
 UNSUPPORTED_MEDIA_MESSAGE = "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
-CLIENT_GONE_STATUS = 499  # logged and counted only: the client is no longer there to read it
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": logged and counted; nobody reads it
 
 
 @dataclass
@@ -98,35 +98,30 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     async def systemone(request: Request) -> JSONResponse:
         start = time.monotonic()
         request_id = request.headers.get("x-request-id")
-        echo = {"X-Request-Id": request_id} if request_id else {}
-        status, usage, questions = 500, 0, 0
+        usage, questions = 0, 0
         try:
-            response = await _answer(request, request_id)
-            status, usage = 200, response["usage"]["input_tokens"]
-            questions = len(response["answers"])
-            return JSONResponse(response, headers=echo)
+            answer = await _answer(request, request_id)
+            usage, questions = answer["usage"]["input_tokens"], len(answer["answers"])
+            response = JSONResponse(answer)
         except Unauthorized as exc:
-            status = 401
-            return unauthorized(exc)
+            response = unauthorized(exc)
         except SchemaError as exc:
-            status = 422
-            return schema_error_response(exc)
+            response = schema_error_response(exc)
         except Overloaded as exc:
-            status = 503
-            result = decision_error_response(exc)
-            result.headers["Retry-After"] = str(exc.retry_after)
-            return result
+            response = decision_error_response(exc)
+            response.headers["Retry-After"] = str(exc.retry_after)
         except DecisionError as exc:
-            status = exc.status
-            return decision_error_response(exc)
+            response = decision_error_response(exc)
         except ClientGone:
-            status = CLIENT_GONE_STATUS
-            return error_response(400, "Client disconnected", "BadRequestError")
-        finally:
-            seconds = time.monotonic() - start
-            metrics.observe(status, seconds, usage, questions)
-            log.info("request %s status=%s questions=%d input_tokens=%d seconds=%.3f", request_id or "-", status,
-                     questions, usage, seconds)
+            response = error_response(400, "Client disconnected", "BadRequestError")
+            response.status_code = CLIENT_GONE_STATUS
+        if request_id:
+            response.headers["X-Request-Id"] = request_id
+        seconds = time.monotonic() - start
+        metrics.observe(response.status_code, seconds, usage, questions)
+        log.info("request %s status=%s questions=%d input_tokens=%d seconds=%.3f", request_id or "-",
+                 response.status_code, questions, usage, seconds)
+        return response
 
     async def _answer(request: Request, request_id: str | None) -> dict[str, Any]:
         check_bearer(request.headers.get("authorization"), options.api_key)
