@@ -136,5 +136,5 @@ def test_ten_thousand_bad_requests(d3_service):
     print(f"\nfuzz: {COUNT} requests, statuses {dict(sorted(statuses.items()))}")
     assert sum(statuses.values()) == COUNT
     assert problems == []
-    assert sum(n for s, n in statuses.items() if 400 <= s < 500) > COUNT * 0.8  # mostly refused, as generated
+    assert sum(n for s, n in statuses.items() if 400 <= s < 500) > COUNT * 0.75  # mostly refused, as generated
     assert good.status_code == 200 and set(good.json()["answers"]) == {"urgent", "team", "anger"}

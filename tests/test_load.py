@@ -1,0 +1,24 @@
+"""Bounded load on loopback (issue 3): 64 concurrent clients, then 4x the configured capacity. Every request is
+answered or refused with 503 + Retry-After; none fails, hangs or gets another 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scripts.load_test import phase
+from systemone.server.app import ServerOptions
+from tests.live_server import live_server
+
+
+@pytest.mark.parametrize("max_queue", [4])
+def test_load_is_answered_or_refused_cleanly(d3_service, max_queue):
+    capacity = 1 + max_queue
+    with live_server(d3_service, ServerOptions(max_concurrency=1, max_queue=max_queue)) as url:
+        for clients, per_client in ((64, 2), (4 * capacity, 3)):
+            report = asyncio.run(phase(url, clients, per_client, timeout=120))
+            assert report["failed"] == 0 and report["other_5xx"] == 0, report
+            assert report["answered"] + report["refused_503"] == clients * per_client, report
+            assert report["answered"] >= capacity
+            assert "503 without Retry-After" not in report["statuses"]
