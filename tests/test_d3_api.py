@@ -313,3 +313,23 @@ def test_models_and_health(client):
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [SERVED]
     assert [m["name"] for m in models["models"]] == [SERVED]
     assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_question_ids_come_back_unchanged(client):
+    """Issue 3: any non-empty id (spaces, dots, dashes, Hangul, emoji) is answered under the same id."""
+    ids = ["with space", "a.b.c", "x-y_z", "한국어 질문", "😀", " ", "a/b.txt", "'quoted\""]
+    response = post(client, {"state": "x", "questions": {qid: NOUL for qid in ids}})
+    assert response.status_code == 200
+    assert list(response.json()["answers"]) == ids and list(response.json()["diagnostics"]) == ids
+
+
+@pytest.mark.parametrize("state", ["text", {"k": "v"}, [1, "two", None], None, 3.5, True, ""])
+def test_every_json_state_is_accepted(client, state):
+    assert post(client, {"state": state, "questions": {"q": NOUL}}).status_code == 200
+
+
+@pytest.mark.parametrize("criteria", [None, {}, {"true": "yes it is"}, {"false": ["no", 1]},
+                                      {"true": {"a": 1}, "false": "no"}])
+def test_noul_criteria_absent_null_one_or_two_sided(client, criteria):
+    question = {"type": "noul"} if criteria is None else {"type": "noul", "criteria": criteria}
+    assert post(client, {"state": "x", "questions": {"q": question}}).status_code == 200
