@@ -57,7 +57,7 @@ def test_batches_respect_the_token_budget():
 
 def test_runner_returns_rows_in_prompt_order():
     class Echo:
-        def run(self, feeds):
+        def run(self, feeds, run_options=None):
             return [np.stack([feeds["input_ids"][:, 0], feeds["attention_mask"].sum(1)], axis=1).astype(np.float32)]
 
     out = CodeLogitsRunner(Echo(), max_batch_tokens=8).run([[1, 1], [2], [3, 3, 3, 3, 3], [4, 4]])
@@ -80,3 +80,20 @@ def test_serving_never_imports_torch_or_transformers(d3_artifact, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["answers"]["q"]["type"] == "noul"
+
+
+def test_attention_memory_bounds_the_prompt_length(d3_artifact):
+    """The graph materialises O(L^2) attention scores: the service derives its longest prompt from the attention
+    budget, so a long prompt gets the spec's 400 (spec 4.12), never an out-of-memory failure."""
+    from systemone.models.errors import DecisionError
+    from systemone.runtime.artifact import Artifact
+    from systemone.runtime.service import DecisionService
+    from systemone.runtime.text_batch import attention_bytes
+
+    heads = 4  # the tiny checkpoint's attention heads
+    service = DecisionService(Artifact.load(d3_artifact), "cpu", attention_budget=attention_bytes(3, 120, heads))
+    assert service.max_model_len == int(3**0.5 * 120)
+    assert service.runner.batches([120, 120, 120, 120]) == [[0, 1, 2], [3]]
+    assert service.decide({"state": "short", "questions": {"q": {"type": "noul"}}})["usage"]["input_tokens"] < 120
+    with pytest.raises(DecisionError, match=r"more than max_model_len=207; nothing is truncated"):
+        service.decide({"state": "word " * 300, "questions": {"q": {"type": "noul"}}})
