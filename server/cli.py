@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from ..runtime.session import DEVICES
@@ -72,30 +73,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ask(args: argparse.Namespace) -> int:
+def _print_result(args: argparse.Namespace, produce: Callable[[Any, Any], Any]) -> int:
+    """Load the artifact and the request, print `produce(service, body)` as JSON (or the error body, exit 1)."""
     from ..models.errors import DecisionError, SchemaError
 
     service = _service(args)
     try:
-        response = service.decide(_load_request(args.request))
+        result = produce(service, _load_request(args.request))
     except (DecisionError, SchemaError) as exc:
         return _print_error(exc)
-    print(json.dumps(response, ensure_ascii=False, indent=2))
+    print(json.dumps(result, ensure_ascii=False, indent=2))
     return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    return _print_result(args, lambda service, body: service.decide(body))
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from ..models.errors import DecisionError, SchemaError
+    def render(service, body) -> dict[str, Any]:
+        return {"model": service.model_name, "questions": [
+            {"id": p.question.id, "tokens": len(p.token_ids), "text": p.text, "token_ids": p.token_ids}
+            for p in service.render(body)]}
 
-    service = _service(args)
-    try:
-        prompts = service.render(_load_request(args.request))
-    except (DecisionError, SchemaError) as exc:
-        return _print_error(exc)
-    print(json.dumps({"model": service.model_name, "questions": [
-        {"id": p.question.id, "tokens": len(p.token_ids), "text": p.text, "token_ids": p.token_ids}
-        for p in prompts]}, ensure_ascii=False, indent=2))
-    return 0
+    return _print_result(args, render)
 
 
 def _runtime_options(parser: argparse.ArgumentParser) -> None:

@@ -97,3 +97,27 @@ def test_attention_memory_bounds_the_prompt_length(d3_artifact):
     assert service.decide({"state": "short", "questions": {"q": {"type": "noul"}}})["usage"]["input_tokens"] < 120
     with pytest.raises(DecisionError, match=r"more than max_model_len=207; nothing is truncated"):
         service.decide({"state": "word " * 300, "questions": {"q": {"type": "noul"}}})
+
+
+def test_render_shows_the_prompt_text_and_token_ids(d3_artifact, d3_service, tmp_path, capsys):
+    """`systemone render`: a user sees exactly what the model reads, per question."""
+    from systemone.server.cli import main
+
+    body = {"state": {"a": 1}, "questions": {"q1": {"type": "noul"}, "q2": {"type": "score", "criteria": ["a", "b"]}}}
+    request = tmp_path / "req.json"
+    request.write_text(json.dumps(body))
+    assert main(["render", str(d3_artifact), "--request", str(request), "--device", "cpu"]) == 0
+    shown = json.loads(capsys.readouterr().out)["questions"]
+    expected = d3_service.render(body)
+    assert [q["id"] for q in shown] == ["q1", "q2"]
+    assert [(q["text"], q["token_ids"], q["tokens"]) for q in shown] == [
+        (p.text, p.token_ids, len(p.token_ids)) for p in expected]
+
+
+def test_ask_prints_the_error_body_and_fails_on_a_bad_request(d3_artifact, tmp_path, capsys):
+    from systemone.server.cli import main
+
+    request = tmp_path / "bad.json"
+    request.write_text(json.dumps({"state": 1, "questions": {}}))
+    assert main(["ask", str(d3_artifact), "--request", str(request), "--device", "cpu"]) == 1
+    assert json.loads(capsys.readouterr().out)["error"]["message"] == "questions: needs at least one question"
