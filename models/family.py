@@ -81,6 +81,10 @@ class Family(ABC):
     def messages(self, request: DecisionRequest, question: Question, state_text: str) -> list[dict[str, Any]]:
         """The chat messages of one question."""
 
+    @abstractmethod
+    def read(self, question: Question, outputs: Sequence[float]) -> Read:
+        """One question's read from the graph's outputs for its prompt (spec 2.5)."""
+
     def output_tokens(self, questions: Sequence[Question]) -> int:
         """Tokens generated for these questions (spec 5.3)."""
         return 0
