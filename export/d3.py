@@ -16,11 +16,11 @@ import torch
 from ..models.d3 import DecisionConfig
 from .qwen3_5_text import D3TextGraph
 
-TEXT_INPUTS = ["input_ids", "attention_mask", "position_ids"]
+TEXT_INPUTS = ["input_ids", "attention_mask", "position_ids", "media_embeds", "media_index"]
 TEXT_OUTPUTS = ["code_logits"]
 # Which axes of each input are batch (B) and sequence (L).
 TEXT_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
-             "position_ids": {1: "batch", 2: "sequence"}}
+             "position_ids": {1: "batch", 2: "sequence"}, "media_embeds": {0: "media"}, "media_index": {0: "media"}}
 
 
 def is_d3_checkpoint(root: Path) -> bool:
@@ -74,20 +74,27 @@ class D3ExportConfig:
         mask = torch.ones(batch, length, dtype=torch.long)
         mask[1, 100:] = 0
         positions = torch.arange(length).view(1, 1, length).expand(3, batch, length).contiguous()
-        return ids, mask, positions
+        media_index = torch.tensor([3, 4, 5, 6, length + 3, length + 4, length + 5, length + 6])
+        media_embeds = torch.randn(len(media_index), self.text_config.hidden_size)
+        return ids, mask, positions, media_embeds, media_index
 
     @torch.no_grad()
-    def reference_logits(self, token_ids: list[int], positions: np.ndarray) -> np.ndarray:
-        """The torch model on one unpadded prompt: readout logits at its last token (spec 4.13)."""
+    def reference_logits(self, token_ids: list[int], positions: np.ndarray, media_embeds: np.ndarray | None = None,
+                         media_positions: np.ndarray | None = None) -> np.ndarray:
+        """The torch model on one unpadded prompt: readout logits at its last token (spec 4.13). Media embeddings,
+        when given, replace the token embeddings at `media_positions` as `Qwen3_5Model` scatters them."""
         device = self.model.device
         ids = torch.tensor([token_ids], device=device)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"inputs_embeds": self.model.get_input_embeddings()(ids)}
+        if media_embeds is not None:
+            kwargs["inputs_embeds"][0, torch.from_numpy(media_positions).to(device)] = torch.from_numpy(
+                media_embeds).to(device)
         if self.attention_mode == "noncausal_full_attention":
             length = len(token_ids)
             kwargs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length, device=device),
                                         "linear_attention": None}
-        hidden = self.model(input_ids=ids, position_ids=pos, **kwargs).last_hidden_state[0, -1].float()
+        hidden = self.model(position_ids=pos, **kwargs).last_hidden_state[0, -1].float()
         logits = hidden @ self.readout_weight.to(device).t()
         if self.readout_bias is not None:
             logits = logits + self.readout_bias.to(device)

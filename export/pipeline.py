@@ -78,14 +78,17 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def check_parity(run_graph: Callable[[list[list[int]]], np.ndarray],
-                 reference: Callable[[list[int]], np.ndarray], prompts: Sequence[tuple[str, list[int]]],
-                 temperature: float, atol: float, prob_atol: float) -> dict[str, Any]:
-    """Graph (all prompts as one right-padded batch) vs the torch model (each prompt alone)."""
-    graph = run_graph([ids for _, ids in prompts])
+def check_parity(run_graph: Callable[..., np.ndarray], reference: Callable[..., np.ndarray],
+                 prompts: Sequence[tuple[str, list[int]]], temperature: float, atol: float, prob_atol: float,
+                 media_samples: Sequence[tuple[str, list[int], Any]] = ()) -> dict[str, Any]:
+    """Graph (all text prompts as one right-padded batch; each media sample alone) vs the torch model (each
+    prompt alone). `run_graph(prompts, media=None)`, `reference(ids, media=None)`."""
+    results = list(zip(prompts, run_graph([ids for _, ids in prompts])))
+    results += [((label, ids), run_graph([ids], media=media)[0]) for label, ids, media in media_samples]
+    media_of = {label: media for label, _, media in media_samples}
     rows = []
-    for (label, ids), got in zip(prompts, graph):
-        want = reference(ids)
+    for (label, ids), got in results:
+        want = reference(ids, media_of.get(label))
         dlogit = float(np.abs(got - want).max())
         dprob = float(np.abs(_softmax(got / temperature) - _softmax(want / temperature)).max())
         rows.append({"sample": label, "tokens": len(ids), "max_abs_logit_diff": dlogit, "max_abs_prob_diff": dprob,
@@ -138,7 +141,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
     import torch
 
     from ..runtime.session import GraphSession
-    from ..runtime.text_batch import CodeLogitsRunner, text_positions
+    from ..runtime.text_batch import CodeLogitsRunner, Media, text_positions
     from .d3 import TEXT_AXES, TEXT_INPUTS, TEXT_OUTPUTS, D3ExportConfig, is_d3_checkpoint
 
     out = Path(out)
@@ -160,7 +163,10 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
         progress("exporting the text graph with torch.onnx (dynamo, opset 18); this is the long step")
         runtime_bits = config.write_runtime_files(staging)
         (staging / "runtime_files.json").write_text(json.dumps(runtime_bits))
-        dims = {role: torch.export.Dim.DYNAMIC for role in ("batch", "sequence")}
+        # One named dimension ties media_embeds and media_index together; batch and sequence stay DYNAMIC
+        # (named dims would make export prove guards on the chunk arithmetic that it cannot).
+        dims = {"batch": torch.export.Dim.DYNAMIC, "sequence": torch.export.Dim.DYNAMIC,
+                "media": torch.export.Dim("media", max=1 << 24)}
         dynamic_shapes = {name: {axis: dims[role] for axis, role in axes.items()} for name, axes in TEXT_AXES.items()}
         graph_path = staging / "text.onnx"
         with torch.no_grad():
@@ -171,10 +177,21 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
         progress("checking that batch and sequence axes are symbolic")
         shapes = symbolic_axes(graph_path, TEXT_AXES)
         progress(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts")
-        runner = CodeLogitsRunner(GraphSession(graph_path, "cpu"))
+        runner = CodeLogitsRunner(GraphSession(graph_path, "cpu"), hidden=int(config.text_config.hidden_size))
         prompts = _sample_prompts(staging, lengths, seed)
-        parity = check_parity(runner.run, lambda ids: config.reference_logits(ids, text_positions(len(ids))),
-                              prompts, config.decision_config.temperature, atol, prob_atol)
+        rng = np.random.default_rng(seed)
+        media_ids = prompts[-1][1]
+        media = Media(rng.standard_normal((6, config.text_config.hidden_size)).astype(np.float32),
+                      np.arange(20, 26, dtype=np.int64))
+
+        def reference(ids: list[int], media: Media | None = None) -> np.ndarray:
+            if media is None:
+                return config.reference_logits(ids, text_positions(len(ids)))
+            return config.reference_logits(ids, text_positions(len(ids)), media.embeds, media.positions)
+
+        parity = check_parity(lambda batch, media=None: runner.run(batch, media=media), reference, prompts,
+                              config.decision_config.temperature, atol, prob_atol,
+                              media_samples=[("media-embeds", media_ids, media)])
         progress("writing the artifact")
         (staging / "runtime_files.json").unlink()
         manifest = {
@@ -187,6 +204,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
             "attention_mode": config.attention_mode,
             "max_model_len": config.max_model_len,
             "num_attention_heads": int(config.text_config.num_attention_heads),
+            "hidden_size": int(config.text_config.hidden_size),
             "opset": OPSET,
             "graphs": {"text": {"file": graph_path.name, "inputs": shapes, "outputs": TEXT_OUTPUTS,
                                 "dtype": "float32"}},

@@ -11,7 +11,9 @@ It reads the weights of transformers' `Qwen3_5Model` (same modules, same names) 
 * attention masks are built in the graph from the 2-D padding mask: causal for `causal`, bidirectional over the
   whole prompt for `noncausal_full_attention` (full-attention layers only; Gated DeltaNet stays causal, spec 4.3).
 
-Inputs: input_ids [B, L] int64, attention_mask [B, L] int64 (right padding), position_ids [3, B, L] int64.
+Inputs: input_ids [B, L] int64, attention_mask [B, L] int64 (right padding), position_ids [3, B, L] int64,
+media_embeds [M, hidden] float32 and media_index [M] int64 (the vision graph's rows and their flat positions in
+B x L; M = 0 for text-only prompts).
 Output: code_logits [B, len(codes)] float32 at each row's last real token.
 """
 
@@ -214,8 +216,12 @@ class D3TextGraph(nn.Module):
         zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
         return torch.where(keys, zero, torch.finfo(dtype).min)
 
-    def hidden_states(self, input_ids, attention_mask, position_ids):
+    def hidden_states(self, input_ids, attention_mask, position_ids, media_embeds, media_index):
         hidden = self.embed_tokens(input_ids)
+        # Image/video embeddings replace the placeholder tokens' rows (flat index into batch x sequence).
+        batch, length, width = hidden.shape
+        hidden = hidden.reshape(-1, width).index_put((media_index,), media_embeds.to(hidden.dtype))
+        hidden = hidden.reshape(batch, length, width)
         dtype = hidden.dtype
         cos, sin = self._rope(position_ids, dtype)
         additive = self._attention_mask(attention_mask, dtype)
@@ -232,8 +238,8 @@ class D3TextGraph(nn.Module):
             hidden = residual + layer.mlp(_norm_1p(layer.post_attention_layernorm, hidden))
         return _norm_1p(self.final_norm, hidden)
 
-    def forward(self, input_ids, attention_mask, position_ids):
-        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
+    def forward(self, input_ids, attention_mask, position_ids, media_embeds, media_index):
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids, media_embeds, media_index)
         last = attention_mask.sum(dim=1) - 1
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
         logits = pooled @ self.readout_weight.t()

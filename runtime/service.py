@@ -55,7 +55,7 @@ class DecisionService:
                              f"{artifact.max_model_len} positions")
         self.session = GraphSession(artifact.graph_path("text"), device, threads)
         self.runner = CodeLogitsRunner(self.session, max(max_batch_tokens, self.max_model_len), heads,
-                                       attention_budget)
+                                       attention_budget, int(artifact.manifest["hidden_size"]))
 
     @property
     def model_name(self) -> str:

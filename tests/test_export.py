@@ -29,6 +29,7 @@ def test_artifact_is_self_contained(d3_artifact, d3_checkpoint):
     assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(manifest["versions"])
     parity = manifest["parity"]
     assert [s["tokens"] for s in parity["samples"][:5]] == [1, 7, 77, 200, 1000]
+    assert parity["samples"][-1]["sample"] == "media-embeds"
     assert parity["max_abs_prob_diff"] <= 1e-4
     # The graph reads its weights from external data next to it.
     model = onnx.load(str(d3_artifact / "text.onnx"), load_external_data=False)
@@ -42,7 +43,8 @@ def test_graph_axes_are_symbolic_and_run_at_any_length(d3_artifact):
     session = GraphSession(d3_artifact / "text.onnx", "cpu")
     for batch, length in ((1, 1), (4, 3), (2, 129)):
         feeds = {"input_ids": np.ones((batch, length), np.int64), "attention_mask": np.ones((batch, length), np.int64),
-                 "position_ids": np.broadcast_to(np.arange(length), (3, batch, length)).astype(np.int64)}
+                 "position_ids": np.broadcast_to(np.arange(length), (3, batch, length)).astype(np.int64),
+                 "media_embeds": np.zeros((0, 64), np.float32), "media_index": np.zeros((0,), np.int64)}
         assert session.run(feeds)[0].shape == (batch, 255)
 
 
@@ -62,8 +64,10 @@ def test_parity_gate_reports_the_worst_sample():
     graph = np.array([[0.0, 1.0], [0.0, 1.0]], dtype=np.float32)
     reference = {3: np.array([0.0, 1.0]), 2: np.array([0.0, 1.5])}
     with pytest.raises(ParityError, match="1 of 2 samples .*worst: off, 2 tokens"):
-        check_parity(lambda _: graph, lambda ids: reference[len(ids)], prompts, 1.0, 2e-3, 1e-4)
-    report = check_parity(lambda _: graph[:1], lambda ids: reference[3], prompts[:1], 1.0, 2e-3, 1e-4)
+        check_parity(lambda _, media=None: graph, lambda ids, media=None: reference[len(ids)], prompts, 1.0, 2e-3,
+                     1e-4)
+    report = check_parity(lambda _, media=None: graph[:1], lambda ids, media=None: reference[3], prompts[:1], 1.0,
+                          2e-3, 1e-4)
     assert report["max_abs_logit_diff"] == 0.0
 
 
@@ -72,7 +76,7 @@ def test_export_writes_nothing_when_parity_is_off(d3_checkpoint, tmp_path, monke
     from systemone.export.d3 import D3ExportConfig
 
     real = D3ExportConfig.reference_logits
-    monkeypatch.setattr(D3ExportConfig, "reference_logits", lambda self, ids, pos: real(self, ids, pos) + 0.01)
+    monkeypatch.setattr(D3ExportConfig, "reference_logits", lambda self, *args: real(self, *args) + 0.01)
     out = tmp_path / "art"
     with pytest.raises(ParityError, match="no artifact written"):
         export_checkpoint(str(d3_checkpoint), out, lengths=(7,))

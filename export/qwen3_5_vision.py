@@ -1,0 +1,61 @@
+"""The d3 vision graph: the Qwen3.5 vision tower (patch embedding, blocks, merger) for one attention segment.
+
+transformers' `Qwen3_5VisionModel` derives, from `grid_thw` and with Python loops, the learned position
+embedding's bilinear taps, the 2-D rotary positions and the attention segments (one per image, one per video frame
+group). Here those are graph inputs computed by the runtime (`runtime/qwen_vision.py`), and the graph runs one
+segment at a time, so it holds no data-dependent control flow and the number of patches stays dynamic.
+
+Inputs (n patches of one segment, in merge-block order): pixel_values [n, C*T*P*P] float32,
+interp_index [n, 4] int64, interp_weight [n, 4] float32, rotary_pos [n, 2] int64 (row, column).
+Output: media_embeds [n / merge^2, out_hidden] float32, one row per `<|image_pad|>` / `<|video_pad|>` token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class D3VisionGraph(nn.Module):
+    def __init__(self, visual: nn.Module):
+        super().__init__()
+        self.visual = visual
+        proj = visual.patch_embed.proj
+        self.register_buffer("patch_weight", proj.weight.detach().reshape(proj.weight.shape[0], -1).float().clone(),
+                             persistent=False)
+        self.register_buffer("patch_bias", proj.bias.detach().float().clone(), persistent=False)
+        self.register_buffer("inv_freq", visual.rotary_pos_emb.inv_freq.float().clone(), persistent=False)
+        self.merge_unit = visual.spatial_merge_unit
+
+    def forward(self, pixel_values, interp_index, interp_weight, rotary_pos):
+        visual = self.visual
+        hidden = pixel_values.float() @ self.patch_weight.t() + self.patch_bias
+        pos = (visual.pos_embed(interp_index).float() * interp_weight[:, :, None]).sum(1)
+        hidden = hidden + pos
+        freqs = rotary_pos[..., None].float() * self.inv_freq  # [n, 2, F]
+        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        for block in visual.blocks:
+            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin)
+            hidden = hidden + block.mlp(block.norm2(hidden))
+        merger = visual.merger
+        merged = merger.norm(hidden).reshape(-1, merger.hidden_size)
+        return merger.linear_fc2(F.gelu(merger.linear_fc1(merged)))
+
+    @staticmethod
+    def _attention(attn: nn.Module, hidden, cos, sin):
+        n = hidden.shape[0]
+        q, k, v = attn.qkv(hidden).reshape(n, 3, attn.num_heads, -1).unbind(1)  # [n, heads, d]
+        q = q.float() * cos + _rotate_half(q.float()) * sin
+        k = k.float() * cos + _rotate_half(k.float()) * sin
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [heads, n, d]
+        probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scaling, dim=-1, dtype=torch.float32)
+        out = (probs.to(v.dtype) @ v).transpose(0, 1).reshape(n, -1)
+        return attn.proj(out)
