@@ -15,12 +15,20 @@ import torch
 
 from ..models.d3 import DecisionConfig
 from .qwen3_5_text import D3TextGraph
+from .qwen3_5_vision import D3VisionGraph
 
 TEXT_INPUTS = ["input_ids", "attention_mask", "position_ids", "media_embeds", "media_index"]
 TEXT_OUTPUTS = ["code_logits"]
 # Which axes of each input are batch (B) and sequence (L).
 TEXT_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
              "position_ids": {1: "batch", 2: "sequence"}, "media_embeds": {0: "media"}, "media_index": {0: "media"}}
+
+
+VISION_INPUTS = ["pixel_values", "interp_index", "interp_weight", "rotary_pos"]
+VISION_OUTPUTS = ["media_embeds"]
+VISION_AXES = {name: {0: "patches"} for name in VISION_INPUTS}
+# Segment grids (h, w in patches) the vision graph is checked on at export: square, wide, tall, odd blocks.
+VISION_PARITY_GRIDS = ((2, 2), (4, 6), (16, 16), (2, 40), (30, 8))
 
 
 def is_d3_checkpoint(root: Path) -> bool:
@@ -66,6 +74,28 @@ class D3ExportConfig:
 
     def graph(self) -> D3TextGraph:
         return D3TextGraph(self.model, self.readout_weight, self.readout_bias, self.attention_mode).eval()
+
+    @property
+    def vision_config(self):
+        return self.model.config.vision_config
+
+    def vision_graph(self) -> D3VisionGraph:
+        return D3VisionGraph(self.model.visual).eval()
+
+    def vision_example_inputs(self) -> tuple[torch.Tensor, ...]:
+        from ..runtime.qwen_vision import vision_inputs
+
+        h, w = 16, 20
+        grid = vision_inputs(h, w, self.model.visual.num_grid_per_side, self.vision_config.spatial_merge_size)
+        width = self.vision_config.in_channels * self.vision_config.temporal_patch_size * self.vision_config.patch_size**2
+        return (torch.randn(h * w, width), *(torch.from_numpy(grid[name]) for name in VISION_INPUTS[1:]))
+
+    @torch.no_grad()
+    def reference_vision(self, pixel_values: np.ndarray, h: int, w: int) -> np.ndarray:
+        """transformers' vision tower on one segment of h x w patches: its merged rows (`pooler_output`)."""
+        out = self.model.visual(torch.from_numpy(pixel_values).to(self.model.device),
+                                grid_thw=torch.tensor([[1, h, w]], device=self.model.device))
+        return out.pooler_output.float().cpu().numpy()
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         # Three chunks of the delta rule and two distinct lengths, so no size is 0/1-specialised in the trace.

@@ -106,6 +106,28 @@ def check_parity(run_graph: Callable[..., np.ndarray], reference: Callable[..., 
     return report
 
 
+def check_vision_parity(session, config, atol: float, seed: int = 0) -> dict[str, Any]:
+    """The vision graph vs transformers' vision tower on segments of several shapes (export refuses on a miss)."""
+    from ..runtime.qwen_vision import vision_inputs
+    from .d3 import VISION_PARITY_GRIDS
+
+    rng = np.random.default_rng(seed)
+    vision = config.vision_config
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    rows = []
+    for h, w in VISION_PARITY_GRIDS:
+        pixels = rng.standard_normal((h * w, width)).astype(np.float32)
+        feeds = {"pixel_values": pixels, **vision_inputs(h, w, config.model.visual.num_grid_per_side,
+                                                         vision.spatial_merge_size)}
+        diff = float(np.abs(session.run(feeds)[0] - config.reference_vision(pixels, h, w)).max())
+        rows.append({"grid": [h, w], "max_abs_diff": diff})
+    worst = max(rows, key=lambda r: r["max_abs_diff"])
+    if worst["max_abs_diff"] > atol:
+        raise ParityError(f"exported vision graph disagrees with the torch vision tower on grid {worst['grid']} "
+                          f"(max |diff| {worst['max_abs_diff']:.3g} > {atol:g}); no artifact written")
+    return {"atol": atol, "samples": rows, "max_abs_diff": worst["max_abs_diff"]}
+
+
 def _sample_prompts(staging: Path, lengths: Sequence[int], seed: int) -> list[tuple[str, list[int]]]:
     """Random token runs of the given lengths plus real d3 prompts rendered as the runtime renders them."""
     from ..models.d3 import D3Family, DecisionConfig
@@ -142,7 +164,8 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
 
     from ..runtime.session import GraphSession
     from ..runtime.text_batch import CodeLogitsRunner, Media, text_positions
-    from .d3 import TEXT_AXES, TEXT_INPUTS, TEXT_OUTPUTS, D3ExportConfig, is_d3_checkpoint
+    from .d3 import (TEXT_AXES, TEXT_INPUTS, TEXT_OUTPUTS, VISION_AXES, VISION_INPUTS, VISION_OUTPUTS, D3ExportConfig,
+                     is_d3_checkpoint)
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -160,7 +183,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        progress("exporting the text graph with torch.onnx (dynamo, opset 18); this is the long step")
+        progress("exporting the text and vision graphs with torch.onnx (dynamo, opset 18); this is the long step")
         runtime_bits = config.write_runtime_files(staging)
         (staging / "runtime_files.json").write_text(json.dumps(runtime_bits))
         # One named dimension ties media_embeds and media_index together; batch and sequence stay DYNAMIC
@@ -174,8 +197,16 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
                               opset_version=OPSET, external_data=True, input_names=TEXT_INPUTS,
                               output_names=TEXT_OUTPUTS, dynamic_shapes=dynamic_shapes, verbose=False)
         onnx.checker.check_model(str(graph_path))
-        progress("checking that batch and sequence axes are symbolic")
+        vision_path = staging / "vision.onnx"
+        with torch.no_grad():
+            torch.onnx.export(config.vision_graph(), config.vision_example_inputs(), str(vision_path), dynamo=True,
+                              opset_version=OPSET, external_data=True, input_names=VISION_INPUTS,
+                              output_names=VISION_OUTPUTS, verbose=False,
+                              dynamic_shapes={name: {0: torch.export.Dim.DYNAMIC} for name in VISION_INPUTS})
+        onnx.checker.check_model(str(vision_path))
+        progress("checking that batch, sequence and patch axes are symbolic")
         shapes = symbolic_axes(graph_path, TEXT_AXES)
+        vision_shapes = symbolic_axes(vision_path, VISION_AXES)
         progress(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts")
         runner = CodeLogitsRunner(GraphSession(graph_path, "cpu"), hidden=int(config.text_config.hidden_size))
         prompts = _sample_prompts(staging, lengths, seed)
@@ -192,6 +223,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
         parity = check_parity(lambda batch, media=None: runner.run(batch, media=media), reference, prompts,
                               config.decision_config.temperature, atol, prob_atol,
                               media_samples=[("media-embeds", media_ids, media)])
+        vision_parity = check_vision_parity(GraphSession(vision_path, "cpu"), config, atol)
         progress("writing the artifact")
         (staging / "runtime_files.json").unlink()
         manifest = {
@@ -207,7 +239,13 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
             "hidden_size": int(config.text_config.hidden_size),
             "opset": OPSET,
             "graphs": {"text": {"file": graph_path.name, "inputs": shapes, "outputs": TEXT_OUTPUTS,
-                                "dtype": "float32"}},
+                                "dtype": "float32"},
+                       "vision": {"file": vision_path.name, "inputs": vision_shapes, "outputs": VISION_OUTPUTS,
+                                  "dtype": "float32", "parity": vision_parity}},
+            "vision": {"patch_size": config.vision_config.patch_size,
+                       "temporal_patch_size": config.vision_config.temporal_patch_size,
+                       "merge_size": config.vision_config.spatial_merge_size,
+                       "position_grid_side": int(config.model.visual.num_grid_per_side)},
             **runtime_bits,
             "versions": _versions(),
             "parity": parity,
