@@ -97,6 +97,26 @@ class D3ExportConfig:
                                 grid_thw=torch.tensor([[1, h, w]], device=self.model.device))
         return out.pooler_output.float().cpu().numpy()
 
+    @torch.no_grad()
+    def reference_logits_with_images(self, token_ids: list[int], positions: np.ndarray, pixel_values: np.ndarray,
+                                     image_grid_thw: list[tuple[int, int, int]]) -> np.ndarray:
+        """The whole torch model on one prompt with images: transformers' `Qwen3_5Model` runs its own vision tower
+        on `pixel_values` and scatters the rows into the `<|image_pad|>` tokens; readout at the last token."""
+        device = self.model.device
+        kwargs: dict[str, Any] = {}
+        if self.attention_mode == "noncausal_full_attention":
+            length = len(token_ids)
+            kwargs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length, device=device),
+                                        "linear_attention": None}
+        out = self.model(input_ids=torch.tensor([token_ids], device=device),
+                         position_ids=torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device),
+                         pixel_values=torch.from_numpy(pixel_values).to(device),
+                         image_grid_thw=torch.tensor(image_grid_thw, device=device), **kwargs)
+        logits = out.last_hidden_state[0, -1].float() @ self.readout_weight.to(device).t()
+        if self.readout_bias is not None:
+            logits = logits + self.readout_bias.to(device)
+        return logits.cpu().numpy()
+
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         # Three chunks of the delta rule and two distinct lengths, so no size is 0/1-specialised in the trace.
         batch, length = 2, 150
@@ -146,4 +166,10 @@ def write_runtime_files(checkpoint: Path, out: Path) -> dict[str, Any]:
         raise ValueError("the checkpoint's tokenizer has no chat template; d3 renders with the tokenizer's own")
     (out / "chat_template.jinja").write_text(template, encoding="utf-8")
     (out / "decision_config.json").write_bytes((checkpoint / "decision_config.json").read_bytes())
-    return {"tokenizer_class": type(tokenizer).__name__, "special_tokens": dict(tokenizer.special_tokens_map)}
+    processor = checkpoint / "preprocessor_config.json"
+    if not processor.is_file():
+        raise ValueError("the checkpoint has no preprocessor_config.json; d3 images need its mean and std")
+    image = json.loads(processor.read_text(encoding="utf-8"))
+    return {"tokenizer_class": type(tokenizer).__name__, "special_tokens": dict(tokenizer.special_tokens_map),
+            "image_processor": {"image_mean": [float(x) for x in image["image_mean"]],
+                                "image_std": [float(x) for x in image["image_std"]]}}

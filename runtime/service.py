@@ -12,17 +12,25 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..models.errors import DecisionError, ModelNotFound
 from ..models.family import build_answer
 from ..models.questions import Question, parse_questions
 from ..models.request import DecisionRequest, parse_request
 from .artifact import Artifact
 from .chat_template import ChatTemplateError
+from .d3_media import D3MediaEncoder, EncodedMedia
+from .media_fetch import FetchPolicy
+from .media_prompt import expand_media, mrope_positions
 from .session import GraphSession
-from .text_batch import CodeLogitsRunner, attention_bytes
+from .text_batch import CodeLogitsRunner, Media, attention_bytes, text_positions
 
 RESPONSE_OBJECT = "structured_decision"
 ID_PREFIX = "decision-"
+
+
+MEDIA_END = "<|vision_end|>"
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,15 @@ class RenderedPrompt:
     question: Question
     text: str
     token_ids: list[int]
+    positions: np.ndarray  # [3, len(token_ids)] M-RoPE positions (spec 4.11)
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Most images and videos one request may carry (vLLM's --limit-mm-per-prompt)."""
+
+    images: int = 16
+    videos: int = 4
 
 
 def new_request_id() -> str:
@@ -41,7 +58,8 @@ class DecisionService:
 
     def __init__(self, artifact: Artifact, device: str = "auto", served_model_names: list[str] | None = None,
                  max_model_len: int | None = None, max_batch_tokens: int = 32768, threads: int | None = None,
-                 attention_budget: int = 4 << 30):
+                 attention_budget: int = 4 << 30, fetch_policy: FetchPolicy | None = None,
+                 media_limits: MediaLimits | None = None):
         self.artifact = artifact
         self.family = artifact.family
         self.served_model_names = served_model_names or [artifact.source]
@@ -56,6 +74,9 @@ class DecisionService:
         self.session = GraphSession(artifact.graph_path("text"), device, threads)
         self.runner = CodeLogitsRunner(self.session, max(max_batch_tokens, self.max_model_len), heads,
                                        attention_budget, int(artifact.manifest["hidden_size"]))
+        self.vision_session = GraphSession(artifact.graph_path("vision"), device, threads)
+        self.media = D3MediaEncoder(self.vision_session, artifact.manifest["vision"], fetch_policy or FetchPolicy())
+        self.media_limits = media_limits or MediaLimits()
 
     @property
     def model_name(self) -> str:
@@ -72,20 +93,24 @@ class DecisionService:
             raise DecisionError(f"this model does not take {', '.join(unsupported)} inputs")
         if request.joint:
             raise DecisionError("joint: this model reads each question on its own; joint reads need DiffusionGemma")
+        for field, kind, limit in (("images", "image", self.media_limits.images),
+                                   ("videos", "video", self.media_limits.videos)):
+            if len(getattr(request, field) or ()) > limit:
+                raise DecisionError(f"At most {limit} {kind}(s) may be provided in one prompt. (parameter={kind})",
+                                    param=kind)
         self.family.check_request(request, questions)
-        if request.modalities():
-            counts = ", ".join(f"{name}: {len(getattr(request, name))}" for name in ("images", "videos")
-                               if getattr(request, name))
-            raise DecisionError(f"media: this build does not read images or videos yet ({counts}); "
-                                "send text or JSON states only")
+        if request.videos:
+            raise DecisionError(f"media: this build does not read videos yet (videos: {len(request.videos)}); "
+                                "send text, JSON or images")
         return request, questions
 
     # -- prompts (spec 4.4-4.7, 4.12) ------------------------------------------------------------------------
     def render(self, body: Any) -> list[RenderedPrompt]:
         request, questions = self.validate(body)
-        return self._prompts(request, questions)
+        return self._prompts(request, questions, self.media.encode(request) if request.images else None)[0]
 
-    def _prompts(self, request: DecisionRequest, questions: list[Question]) -> list[RenderedPrompt]:
+    def _prompts(self, request: DecisionRequest, questions: list[Question], media: EncodedMedia | None
+                 ) -> tuple[list[RenderedPrompt], Media | None]:
         state_text = self.family.render_state(request.state)
         texts = []
         for question in questions:
@@ -95,14 +120,30 @@ class DecisionService:
                                                            enable_thinking=False))
             except ChatTemplateError as exc:
                 raise DecisionError(str(exc)) from exc
-        prompts = [RenderedPrompt(q, t, ids)
-                   for q, t, ids in zip(questions, texts, self.artifact.tokenizer.encode_batch(texts))]
+        tokenizer = self.artifact.tokenizer
+        if media is None:
+            prompts = [RenderedPrompt(q, t, ids, text_positions(len(ids)))
+                       for q, t, ids in zip(questions, texts, tokenizer.encode_batch(texts))]
+            graph_media = None
+        else:
+            # Spec 4.8: the first prompt is split after its last <|vision_end|>; that media prefix, tokenized
+            # and expanded once, starts every question's prompt.
+            split = texts[0].rindex(MEDIA_END) + len(MEDIA_END)
+            if any(not t.startswith(texts[0][:split]) for t in texts):
+                raise DecisionError("the questions' prompts do not share their media")
+            prefix = expand_media(tokenizer.encode(texts[0][:split]), media.layouts, tokenizer.encode,
+                                  tokenizer.token_id)
+            prompts = []
+            for question, text, tail in zip(questions, texts, tokenizer.encode_batch([t[split:] for t in texts])):
+                ids = prefix.ids + tail
+                prompts.append(RenderedPrompt(question, text, ids, mrope_positions(len(ids), prefix.segments)))
+            graph_media = Media(media.embeds, prefix.media_positions)
         for prompt in prompts:
             n = len(prompt.token_ids)
             if n > self.max_model_len:
                 raise DecisionError(f"question {prompt.question.id!r}: the prompt has {n} tokens, more than "
                                     f"max_model_len={self.max_model_len}; nothing is truncated")
-        return prompts
+        return prompts, graph_media
 
     # -- the whole request (spec 5) --------------------------------------------------------------------------
     def decide(self, body: Any, header_request_id: str | None = None, run_options: Any = None) -> dict[str, Any]:
@@ -112,9 +153,11 @@ class DecisionService:
 
     def answer(self, request: DecisionRequest, questions: list[Question], header_request_id: str | None = None,
                run_options: Any = None) -> dict[str, Any]:
-        """Answer a request that `validate` accepted: prompts, one batch, answers."""
-        prompts = self._prompts(request, questions)
-        logits = self.runner.run([p.token_ids for p in prompts], run_options)
+        """Answer a request that `validate` accepted: media once, prompts, one batch, answers."""
+        media = self.media.encode(request, run_options) if request.images else None
+        prompts, graph_media = self._prompts(request, questions, media)
+        logits = self.runner.run([p.token_ids for p in prompts], run_options, [p.positions for p in prompts],
+                                 graph_media)
         answers, diagnostics = {}, {}
         for question, row in zip(questions, logits):
             read = self.family.read(question, row.tolist())

@@ -1,0 +1,45 @@
+"""Decoding fetched bytes into RGB frames (spec 3.8 step 1, 4.8): Pillow with a format allow-list, dimensions
+read from the header and refused before the pixels are decoded, EXIF orientation applied, transparency
+composited onto white."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .media_fetch import MediaError
+
+MAX_IMAGE_PIXELS = 178_956_970  # vLLM's VLLM_MAX_IMAGE_PIXELS default
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+WHITE = (255, 255, 255)
+
+
+def decode_image(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """Image bytes -> RGB uint8 [H, W, 3]."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit is checked below
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        width, height = image.size
+        if width * height > max_pixels:
+            raise MediaError(where, f"Image dimensions {width}x{height} ({width * height} pixels) exceed the "
+                                    f"maximum of {max_pixels} pixels.")
+        if width < 1 or height < 1:
+            raise MediaError(where, f"Image dimensions {width}x{height} are empty")
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+            rgba = image.convert("RGBA")
+            background = Image.new("RGBA", rgba.size, WHITE + (255,))
+            image = Image.alpha_composite(background, rgba)
+        return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise MediaError(where, f"Image dimensions exceed the maximum of {max_pixels} pixels ({exc})") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, MemoryError) as exc:
+        message = str(exc).replace(" <_io.BytesIO object>", "")
+        raise MediaError(where, f"Failed to load image: {message}") from None

@@ -1,0 +1,109 @@
+"""Test media: deterministic images in several encodings, data URLs, and a loopback HTTP server that counts GETs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+from PIL import Image
+
+from scripts.vision_fixtures import fixture_image
+
+
+def encoded(image: Image.Image, fmt: str, **save) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **save)
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def exif_rotated_jpeg() -> bytes:
+    """A 64x128 (w x h) JPEG whose EXIF orientation 6 says: rotate to 128x64."""
+    image = Image.fromarray(fixture_image("tall-300x1200")).resize((64, 128))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return encoded(image, "JPEG", exif=exif.tobytes(), quality=95)
+
+
+def rgba_png() -> bytes:
+    rgba = np.zeros((96, 160, 4), dtype=np.uint8)
+    rgba[..., :3] = fixture_image("square-100")[:96, :100].mean().astype(np.uint8)
+    rgba[:, 80:, 3] = 255  # left half fully transparent -> white after compositing
+    return encoded(Image.fromarray(rgba, "RGBA"), "PNG")
+
+
+def palette_png() -> bytes:
+    image = Image.fromarray(fixture_image("vga-640x480")).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    image.info["transparency"] = 0
+    return encoded(image, "PNG", transparency=0)
+
+
+def test_images() -> dict[str, bytes]:
+    """At least 8 images: 50x50 to 4000x3000, extreme aspect ratios, RGBA, palette, EXIF-rotated."""
+    def png(name):
+        return encoded(Image.fromarray(fixture_image(name)), "PNG")
+
+    return {
+        "tiny-50x50.png": png("tiny-50x50"),
+        "vga-640x480.jpg": encoded(Image.fromarray(fixture_image("vga-640x480")), "JPEG", quality=90),
+        "wide-1920x1080.png": png("wide-1920x1080"),
+        "photo-4000x3000.jpg": encoded(Image.fromarray(fixture_image("photo-4000x3000")), "JPEG", quality=85),
+        "strip-2000x40.png": png("strip-2000x40"),
+        "tall-300x1200.webp": encoded(Image.fromarray(fixture_image("tall-300x1200")), "WEBP", lossless=True),
+        "rgba-160x96.png": rgba_png(),
+        "palette-640x480.png": palette_png(),
+        "exif-rotated.jpg": exif_rotated_jpeg(),
+    }
+
+
+test_images.__test__ = False  # a helper, not a test
+
+
+class CountingServer:
+    """Serves `files` on 127.0.0.1, counts GETs per path; `redirects` maps a path to a Location."""
+
+    def __init__(self, files: dict[str, bytes], redirects: dict[str, str] | None = None):
+        self.files, self.redirects, self.gets = files, redirects or {}, Counter()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                path = self.path.lstrip("/")
+                outer.gets[path] += 1
+                if path in outer.redirects:
+                    self.send_response(302)
+                    self.send_header("Location", outer.redirects[path])
+                    self.end_headers()
+                elif path in outer.files:
+                    body = outer.files[path]
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                else:
+                    self.send_response(404)
+                    self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    @contextmanager
+    def running(self):
+        thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self.server.shutdown()
+            self.server.server_close()

@@ -1,0 +1,101 @@
+"""d3 images end to end (spec 4.8, 4.9, 4.11, 6.1; README decision 6): decoded like vLLM, read once per request,
+answers equal to the torch model's on the same inputs."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from systemone.export.d3 import D3ExportConfig
+from systemone.models.family import first_argmax
+from systemone.runtime.artifact import Artifact
+from systemone.runtime.d3_media import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS
+from systemone.runtime.image_transform import qwen_image
+from systemone.runtime.media_decode import decode_image
+from systemone.runtime.media_fetch import FetchPolicy
+from systemone.runtime.service import DecisionService
+from tests.media_helpers import CountingServer, data_url, test_images
+
+IMAGES = test_images()
+QUESTIONS = [
+    {"type": "noul", "instructions": "Is there a person in the picture?"},
+    {"type": "choice", "instructions": "What is shown?", "criteria": {"animal": None, "document": "text, forms",
+                                                                      "landscape": None, "chart": "a plot"}},
+    {"type": "score", "instructions": "How bright is it?", "criteria": ["dark", "dim", "normal", "bright"]},
+    {"type": "noul", "criteria": {"true": "the image is rotated", "false": "upright"}},
+    {"type": "choice", "criteria": {f"color {i}": None for i in range(12)}},
+    {"type": "score", "criteria": [f"level {i}" for i in range(10)]},
+    {"type": "choice", "instructions": {"task": "orientation"}, "criteria": {"portrait": None, "landscape": None}},
+]
+
+
+def requests_over_images():
+    names = list(IMAGES)
+    bodies = []
+    for i, name in enumerate(names):
+        images = [data_url(IMAGES[name])]
+        if i % 3 == 2:  # some requests carry two images
+            images.append(data_url(IMAGES[names[(i + 1) % len(names)]]))
+        state = None if i % 2 else {"caption": f"photo {i}", "source": name}
+        bodies.append({"state": state, "images": images,
+                       "questions": {f"{name}/q{j}": q for j, q in enumerate(QUESTIONS)}})
+    return bodies
+
+
+@pytest.fixture(scope="module")
+def reference(d3_checkpoint):
+    return D3ExportConfig(d3_checkpoint)
+
+
+def test_images_match_the_torch_model(d3_service, reference):
+    """>= 60 questions over >= 8 images: every pick equal, max |dp| <= 1e-4."""
+    worst, count = 0.0, 0
+    for body in requests_over_images():
+        answers = d3_service.decide(body)["answers"]
+        rgb = [decode_image(base64.b64decode(url.split(",", 1)[1]), "x") for url in body["images"]]
+        processed = [qwen_image(x, 16, 2, 2, (0.5,) * 3, (0.5,) * 3, IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS) for x in rgb]
+        pixels = np.concatenate([p for p, _ in processed])
+        grids = [grid for _, grid in processed]
+        for prompt in d3_service.render(body):
+            logits = reference.reference_logits_with_images(prompt.token_ids, prompt.positions, pixels, grids)
+            want = d3_service.family.read(prompt.question, logits.tolist()).probs
+            got = list(answers[prompt.question.id]["probabilities"].values())
+            assert first_argmax(got) == first_argmax(want), prompt.question.id
+            worst = max(worst, float(np.abs(np.array(got) - np.array(want)).max()))
+            count += 1
+    print(f"\nimages: {count} questions over {len(IMAGES)} images, max |dp| {worst:.2e}")
+    assert count >= 60 and len(IMAGES) >= 8
+    assert worst <= 1e-4
+
+
+def test_spec_token_counts_in_the_prompt(d3_service):
+    """Spec 4.9: 1920x1080 -> 1,590 image tokens; 50x50 -> 64 (upscaled to the 65,536-pixel floor)."""
+    pad = d3_service.artifact.tokenizer.token_id("<|image_pad|>")
+    for name, tokens in (("wide-1920x1080.png", 1590), ("tiny-50x50.png", 64)):
+        (prompt,) = d3_service.render({"state": "x", "images": [data_url(IMAGES[name])],
+                                       "questions": {"q": QUESTIONS[0]}})
+        assert prompt.token_ids.count(pad) == tokens
+
+
+def test_decoding_applies_exif_and_composites_transparency_on_white():
+    assert decode_image(IMAGES["exif-rotated.jpg"], "x").shape == (64, 128, 3)
+    rgba = decode_image(IMAGES["rgba-160x96.png"], "x")
+    assert (rgba[:, :80] == 255).all() and rgba.shape == (96, 160, 3)
+    palette = decode_image(IMAGES["palette-640x480.png"], "x")
+    assert palette.shape == (480, 640, 3)
+
+
+def test_one_fetch_and_one_vision_pass_per_image(d3_artifact):
+    """8 questions over 2 images: each image is fetched once and encoded once, whatever the question count."""
+    server = CountingServer({"a.png": IMAGES["vga-640x480.jpg"], "b.png": IMAGES["tiny-50x50.png"]})
+    service = DecisionService(Artifact.load(d3_artifact), "cpu", fetch_policy=FetchPolicy(allow_private_hosts=True))
+    with server.running():
+        body = {"state": "x", "images": [f"{server.url}/a.png", f"{server.url}/b.png"],
+                "questions": {f"q{i}": QUESTIONS[i % len(QUESTIONS)] for i in range(8)}}
+        before = service.vision_session.runs
+        response = service.decide(body)
+    assert len(response["answers"]) == 8
+    assert dict(server.gets) == {"a.png": 1, "b.png": 1}
+    assert service.vision_session.runs - before == 2
