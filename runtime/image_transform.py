@@ -53,13 +53,19 @@ def _resample_axis(image: np.ndarray, out_size: int, axis: int) -> np.ndarray:
     """One pass along `axis`: integer taps summed exactly (in float64: every partial sum is an integer below
     2^53), then rounded, shifted and clipped to uint8 like the C kernel."""
     index, weights, precision = _int16_taps(image.shape[axis], out_size)
-    source = np.moveaxis(image, axis, 0).astype(np.float64)
-    acc = np.zeros((out_size, *source.shape[1:]), dtype=np.float64)
+    source = np.moveaxis(image, axis, 0)
+    out = np.empty((out_size, *source.shape[1:]), dtype=np.uint8)
     extra = (slice(None),) + (None,) * (source.ndim - 1)
-    for k in range(index.shape[1]):
-        acc += weights[:, k][extra] * source[index[:, k]]
-    shifted = (acc.astype(np.int64) + (1 << (precision - 1))) >> precision
-    return np.moveaxis(np.clip(shifted, 0, 255).astype(np.uint8), 0, axis)
+    # Column blocks keep the float64 working set near 64 MiB whatever the image size.
+    block = max(1, (8 << 20) // max(1, source.shape[0] * int(np.prod(source.shape[2:]))))
+    for start in range(0, source.shape[1], block):
+        part = source[:, start:start + block].astype(np.float64)
+        acc = np.zeros((out_size, *part.shape[1:]), dtype=np.float64)
+        for k in range(index.shape[1]):
+            acc += weights[:, k][extra] * part[index[:, k]]
+        shifted = (acc.astype(np.int64) + (1 << (precision - 1))) >> precision
+        out[:, start:start + block] = np.clip(shifted, 0, 255)
+    return np.moveaxis(out, 0, axis)
 
 
 def resize_bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -5,7 +5,6 @@ composited onto white."""
 from __future__ import annotations
 
 import io
-import warnings
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -15,14 +14,15 @@ from .media_fetch import MediaError
 MAX_IMAGE_PIXELS = 178_956_970  # vLLM's VLLM_MAX_IMAGE_PIXELS default
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 WHITE = (255, 255, 255)
+# decode_image checks every image's header against its own limit before any pixel is decoded, so Pillow's
+# process-wide bomb check (which would refuse first, without the dimensions) is handed over to it.
+Image.MAX_IMAGE_PIXELS = None
 
 
 def decode_image(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
     """Image bytes -> RGB uint8 [H, W, 3]."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit is checked below
-            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         width, height = image.size
         if width * height > max_pixels:
             raise MediaError(where, f"Image dimensions {width}x{height} ({width * height} pixels) exceed the "
@@ -38,8 +38,6 @@ def decode_image(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) ->
         return np.asarray(image.convert("RGB"), dtype=np.uint8)
     except MediaError:
         raise
-    except Image.DecompressionBombError as exc:
-        raise MediaError(where, f"Image dimensions exceed the maximum of {max_pixels} pixels ({exc})") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, MemoryError) as exc:
         message = str(exc).replace(" <_io.BytesIO object>", "")
         raise MediaError(where, f"Failed to load image: {message}") from None

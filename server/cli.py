@@ -21,10 +21,16 @@ def _load_request(path: str) -> Any:
 
 def _service(args: argparse.Namespace):
     from ..runtime.artifact import Artifact
-    from ..runtime.service import DecisionService
+    from ..runtime.media_fetch import FetchPolicy
+    from ..runtime.service import DecisionService, MediaLimits
 
+    policy = FetchPolicy(
+        allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+        allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
+        allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes)
     return DecisionService(Artifact.load(args.artifact), device=args.device,
-                           served_model_names=args.served_model_name or None, max_model_len=args.max_model_len)
+                           served_model_names=args.served_model_name or None, max_model_len=args.max_model_len,
+                           fetch_policy=policy, media_limits=MediaLimits(args.limit_images, args.limit_videos))
 
 
 def _print_error(exc: Exception) -> int:
@@ -107,6 +113,15 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
                         help="name(s) the model answers to; the first is reported (default: the export source)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt in tokens (default: the model's positions); nothing is truncated")
+    media = parser.add_argument_group("media fetching (safe by default)")
+    media.add_argument("--allowed-local-media-path", default=None, help="directory file:// URLs may read from")
+    media.add_argument("--allowed-media-domains", action="append", default=[],
+                       help="only these hostnames (exact match) may be fetched; repeat for several")
+    media.add_argument("--allow-private-media-hosts", action="store_true",
+                       help="allow hosts that resolve to private, loopback or link-local addresses")
+    media.add_argument("--max-media-bytes", type=int, default=256 << 20, help="largest media download (413 over)")
+    media.add_argument("--limit-images", type=int, default=16, help="most images per request")
+    media.add_argument("--limit-videos", type=int, default=4, help="most videos per request")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,7 +70,7 @@ test_images.__test__ = False  # a helper, not a test
 class CountingServer:
     """Serves `files` on 127.0.0.1, counts GETs per path; `redirects` maps a path to a Location."""
 
-    def __init__(self, files: dict[str, bytes], redirects: dict[str, str] | None = None):
+    def __init__(self, files: dict[str, bytes], redirects: dict[str, str] | None = None, host: str = "127.0.0.1"):
         self.files, self.redirects, self.gets = files, redirects or {}, Counter()
         outer = self
 
@@ -95,8 +95,8 @@ class CountingServer:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
 
     @contextmanager
     def running(self):

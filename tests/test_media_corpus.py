@@ -1,0 +1,98 @@
+"""A corpus of 200+ corrupt or hostile media inputs against a live server (issue 4; README decisions 1, 6):
+truncated files, wrong magic bytes, bomb-like headers, malformed data URLs, private hosts and redirects to
+127.0.0.1. Zero 5xx, every body JSON, and the server keeps answering."""
+
+from __future__ import annotations
+
+import base64
+import random
+import struct
+import zlib
+from collections import Counter
+
+import httpx
+from PIL import Image
+
+from systemone.runtime import media_fetch
+from systemone.runtime.artifact import Artifact
+from systemone.runtime.media_fetch import FetchPolicy
+from systemone.runtime.service import DecisionService
+from tests.live_server import live_server
+from tests.media_helpers import CountingServer, data_url, encoded, test_images
+
+from scripts.vision_fixtures import fixture_image
+
+
+def png_header(width: int, height: int, idat: bytes = b"\x00" * 64, crc_ok: bool = True) -> bytes:
+    def chunk(kind, data, ok=True):
+        crc = zlib.crc32(kind + data) if ok else 0
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0), crc_ok)
+            + chunk(b"IDAT", zlib.compress(idat)) + chunk(b"IEND", b""))
+
+
+def corpus(server_url: str, redirect_url: str) -> list[str]:
+    rng = random.Random(4)
+    image = Image.fromarray(fixture_image("vga-640x480"))
+    valid = {fmt: encoded(image, fmt) for fmt in ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")}
+    urls = []
+    for data in valid.values():  # truncated at 12 points each: 72
+        for fraction in (0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 0.97, 0.995):
+            urls.append(data_url(data[: int(len(data) * fraction)]))
+    for data in valid.values():  # wrong magic bytes: 18
+        for magic in (b"\x00" * 8, b"GIF89a\x00\x00", b"%PDF-1.7"):
+            urls.append(data_url(magic + data[8:]))
+    for _ in range(60):  # random bytes
+        urls.append(data_url(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 3000)))))
+    for w, h in ((30000, 30000), (100000, 2), (2, 100000), (65535, 65535), (1, 1 << 30), (0, 10), (10, 0)):
+        urls.append(data_url(png_header(w, h)))  # bomb-like or empty headers
+    urls.append(data_url(png_header(12000, 12000, idat=b"\x00" * 10)))  # under the limit, pixels missing
+    urls.append(data_url(png_header(64, 64, crc_ok=False)))
+    urls.append(data_url(b"GIF89a" + struct.pack("<HH", 65535, 65535) + b"\x00" * 20))
+    urls.append(data_url(b"BM" + b"\x00" * 16 + struct.pack("<ii", 1 << 20, 1 << 20) + b"\x00" * 30))
+    for _ in range(20):  # mangled data URLs
+        raw = base64.b64encode(valid["PNG"][:200]).decode()
+        cut = rng.randrange(len(raw))
+        urls.append(rng.choice([f"data:image/png;base64,{raw[:cut]}!{raw[cut:]}", f"data:image/png,{raw}",
+                                f"data:image/png;base64{raw}", "data:", "data:,", f"data:;base64,{raw[:cut]}",
+                                f"data:image/png;base64,{raw}" + "=" * rng.randrange(1, 5)]))
+    urls += ["ftp://example.com/a.png", "gopher://x", "javascript:alert(1)", "", " ", "http://", "https://:0/",
+             "http://[::1]:1/a.png", "http://127.0.0.1:1/a.png", "http://10.1.2.3/a.png", "http://169.254.169.254/",
+             "http://0x7f000001/a.png", "http://2130706433/a.png", "http://localhost/a.png", "file:///etc/passwd",
+             "file://remote-host/share/a.png", "file:relative.png", "http://no-such-host.invalid/a.png",
+             "http://example.com:99999/a.png", "http://a b/c.png"]
+    urls += [f"{redirect_url}/to-loopback", f"{redirect_url}/loop", f"{server_url}/missing.png",
+             f"{server_url}/not-an-image.png", f"{server_url}/truncated.png"]
+    urls += [data_url(valid["PNG"], "video/mp4"), data_url(valid["PNG"], "text/plain")]  # MIME is ignored: valid
+    return urls
+
+
+def test_hostile_media_corpus(d3_artifact, monkeypatch):
+    # The corpus server plays a public host (so the redirect to 127.0.0.1 is what gets refused).
+    monkeypatch.setattr(media_fetch, "_public", lambda address: address == "127.0.0.2")
+    files = {"not-an-image.png": b"<html>nope</html>", "truncated.png": test_images()["tiny-50x50.png"][:300]}
+    server = CountingServer(files, host="127.0.0.2")
+    service = DecisionService(Artifact.load(d3_artifact), "cpu")
+    statuses: Counter[int] = Counter()
+    with server.running():
+        port = server.url.rsplit(":", 1)[1]
+        public_url = server.url
+        server.redirects.update({"to-loopback": f"http://127.0.0.1:{port}/truncated.png",
+                                 "loop": f"http://127.0.0.2:{port}/loop"})
+        urls = corpus(public_url, public_url)
+        with live_server(service) as base, httpx.Client(base_url=base, timeout=120) as client:
+            for url in urls:
+                response = client.post("/v1/systemone", json={"state": "x", "images": [url],
+                                                              "questions": {"q": {"type": "noul"}}})
+                statuses[response.status_code] += 1
+                body = response.json()
+                assert response.status_code < 500, (url[:80], body)
+                if response.status_code != 200:
+                    assert body["error"]["message"].startswith("media: images[0]: "), body
+            good = client.post("/v1/systemone", json={"state": "x", "questions": {"q": {"type": "noul"}}})
+    print(f"\nmedia corpus: {len(urls)} inputs, statuses {dict(sorted(statuses.items()))}")
+    assert len(urls) >= 200
+    assert statuses[200] >= 2  # the two valid PNGs sent under another MIME type (and what Pillow still reads)
+    assert good.status_code == 200
+    assert server.gets["to-loopback"] == 1 and server.gets["truncated.png"] == 1  # the redirect was not followed

@@ -1,0 +1,114 @@
+"""Safe media fetching (spec 6.1; README decisions 1 and 6; issue 4 item 4): every failure is a 4xx that names
+the URL's place in the request; private hosts, local files and oversized downloads are refused by default."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from systemone.runtime import media_fetch
+from systemone.runtime.media_decode import decode_image
+from systemone.runtime.media_fetch import FetchPolicy, MediaError, fetch
+from tests.media_helpers import CountingServer, test_images
+
+PNG = test_images()["tiny-50x50.png"]
+
+
+def refused(url, policy=FetchPolicy(), status=400, kind="image"):
+    with pytest.raises(MediaError) as info:
+        fetch(url, "images[2]", kind, policy)
+    assert info.value.status == status, info.value.message
+    assert info.value.message.startswith("media: images[2]: ")
+    return info.value.message
+
+
+def test_base64_data_urls_are_read():
+    assert fetch("data:image/png;base64," + base64.b64encode(PNG).decode(), "images[0]", "image", FetchPolicy()) == PNG
+    assert fetch("DATA:whatever;BASE64," + base64.b64encode(b"x").decode(), "i", "image", FetchPolicy()) == b"x"
+
+
+@pytest.mark.parametrize("url, message", [
+    ("data:image/png;base64AAAA", "Invalid data URL 'data:image/png;base64AAAA': missing ',' separator."),
+    ("data:image/png,AAAA", "Only base64 data URLs are supported for now."),
+    ("data:image/png;base64,@@@", "invalid base64 in data URL"),
+    ("ftp://x/y.png", "The URL must be either a HTTP, data or file URL."),
+    ("/etc/passwd", "The URL must be either a HTTP, data or file URL."),
+    ("file:///etc/passwd", "Cannot load local files without `--allowed-local-media-path`."),
+])
+def test_malformed_and_unsupported_urls_are_400_not_5xx(url, message):
+    """README decision 1: vLLM's 501 (non-base64 data URL) and 500 (file:// without a path) become 400."""
+    assert message in refused(url)
+
+
+def test_local_files_only_under_the_allowed_directory(tmp_path):
+    allowed = tmp_path / "media"
+    allowed.mkdir()
+    (allowed / "a.png").write_bytes(PNG)
+    (tmp_path / "secret.png").write_bytes(PNG)
+    policy = FetchPolicy(allowed_local_path=allowed)
+    assert fetch(f"file://{allowed}/a.png", "images[0]", "image", policy) == PNG
+    assert "must be a subpath" in refused(f"file://{allowed}/../secret.png", policy)
+    assert "no such file" in refused(f"file://{allowed}/missing.png", policy, status=422)
+
+
+def test_loopback_and_private_hosts_are_refused_by_default():
+    server = CountingServer({"a.png": PNG})
+    with server.running():
+        assert "non-public address (127.0.0.1)" in refused(f"{server.url}/a.png")
+        assert fetch(f"{server.url}/a.png", "i", "image", FetchPolicy(allow_private_hosts=True)) == PNG
+    assert server.gets == {"a.png": 1}  # the refused one never connected
+    for host in ("10.0.0.1", "169.254.169.254", "[::1]", "192.168.1.1", "0.0.0.0"):
+        assert "non-public address" in refused(f"http://{host}/x.png")
+
+
+def test_redirects_are_checked_again(monkeypatch):
+    """A public host that redirects to a private one is refused at the redirect."""
+    monkeypatch.setattr(media_fetch, "_public", lambda address: address == "127.0.0.1")
+    target = CountingServer({"a.png": PNG})
+    with target.running():
+        port = target.url.rsplit(":", 1)[1]
+        redirector = CountingServer({}, {"go": f"http://127.0.0.2:{port}/a.png"})
+        with redirector.running():
+            assert "non-public address (127.0.0.2)" in refused(f"{redirector.url}/go")
+    assert target.gets == {}
+
+
+def test_allowed_domains_are_exact_and_rechecked_on_redirect():
+    server = CountingServer({"a.png": PNG}, {"go": "http://localhost:1/a.png"})
+    policy = FetchPolicy(allowed_domains=frozenset({"127.0.0.1"}), allow_private_hosts=True)
+    with server.running():
+        assert fetch(f"{server.url}/a.png", "i", "image", policy) == PNG
+        assert "Input URL domain: localhost" in refused(f"{server.url}/go", policy)
+    assert "allowed domains" in refused("http://example.com/a.png", policy)
+
+
+def test_http_errors_and_unreachable_hosts_are_422():
+    server = CountingServer({})
+    policy = FetchPolicy(allow_private_hosts=True)
+    with server.running():
+        assert "HTTP 404 error" in refused(f"{server.url}/missing.png", policy, status=422)
+    assert "Failed to fetch media" in refused(server.url + "/gone.png", policy, status=422)
+    assert "cannot resolve host" in refused("http://no-such-host.invalid/a.png", policy, status=422)
+
+
+def test_downloads_over_the_cap_are_413(tmp_path):
+    server = CountingServer({"big.png": PNG})
+    policy = FetchPolicy(allow_private_hosts=True, max_bytes=100)
+    with server.running():
+        assert "100-byte limit" in refused(f"{server.url}/big.png", policy, status=413)
+    assert "100-byte limit" in refused("data:image/png;base64," + base64.b64encode(PNG).decode(), policy, status=413)
+
+
+def test_giant_dimensions_are_refused_before_decoding():
+    """A PNG header claiming 30000 x 30000 pixels: refused from the header, no pixel is decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\x00" * 100)) + chunk(b"IEND", b""))
+    with pytest.raises(MediaError, match="Image dimensions 30000x30000 .* exceed the maximum of 178956970 pixels"):
+        decode_image(png, "images[0]")
