@@ -98,20 +98,26 @@ class D3ExportConfig:
         return out.pooler_output.float().cpu().numpy()
 
     @torch.no_grad()
-    def reference_logits_with_images(self, token_ids: list[int], positions: np.ndarray, pixel_values: np.ndarray,
-                                     image_grid_thw: list[tuple[int, int, int]]) -> np.ndarray:
-        """The whole torch model on one prompt with images: transformers' `Qwen3_5Model` runs its own vision tower
-        on `pixel_values` and scatters the rows into the `<|image_pad|>` tokens; readout at the last token."""
+    def reference_logits_with_media(self, token_ids: list[int], positions: np.ndarray,
+                                    images: tuple[np.ndarray, list[tuple[int, int, int]]] | None = None,
+                                    videos: tuple[np.ndarray, list[tuple[int, int, int]]] | None = None
+                                    ) -> np.ndarray:
+        """The whole torch model on one prompt with media: transformers' `Qwen3_5Model` runs its own vision tower
+        on the (pixel rows, grids) of the images and videos and scatters the rows into the pad tokens; readout at
+        the last token."""
         device = self.model.device
         kwargs: dict[str, Any] = {}
+        for name, media in (("", images), ("_videos", videos)):
+            if media is not None:
+                kwargs[f"pixel_values{name}"] = torch.from_numpy(media[0]).to(device)
+                kwargs["image_grid_thw" if not name else "video_grid_thw"] = torch.tensor(media[1], device=device)
         if self.attention_mode == "noncausal_full_attention":
             length = len(token_ids)
             kwargs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length, device=device),
                                         "linear_attention": None}
         out = self.model(input_ids=torch.tensor([token_ids], device=device),
                          position_ids=torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device),
-                         pixel_values=torch.from_numpy(pixel_values).to(device),
-                         image_grid_thw=torch.tensor(image_grid_thw, device=device), **kwargs)
+                         **kwargs)
         logits = out.last_hidden_state[0, -1].float() @ self.readout_weight.to(device).t()
         if self.readout_bias is not None:
             logits = logits + self.readout_bias.to(device)

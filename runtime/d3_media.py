@@ -1,5 +1,5 @@
-"""A d3 request's images, read once: fetched (concurrently), decoded, preprocessed and run through the vision
-graph once each, whatever the number of questions (README decision 6; spec 4.8, 4.9)."""
+"""A d3 request's images and videos, read once: fetched (concurrently), decoded, preprocessed and run through the
+vision graph once each, whatever the number of questions (README decision 6; spec 4.8-4.10)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .media_fetch import FetchPolicy, MediaError, fetch
 from .media_prompt import MediaLayout
 from .qwen_vision import vision_inputs
 from .session import GraphSession
+from .video import decode_video, qwen_video, timestamps
 
 # vLLM's override of the checkpoint's image size for d3 (spec 4.9): 64 to 1,600 tokens.
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 65_536, 1_638_400
@@ -46,14 +47,34 @@ class D3MediaEncoder:
         except ValueError as exc:
             raise MediaError(where, f"Failed to apply Qwen2VLImageProcessor: {exc}") from None
 
+    def _video_rows(self, url: str, where: str) -> tuple[np.ndarray, tuple[int, int, int], tuple[float, ...]]:
+        data = b"" if url[:16].lower().startswith("data:video/jpeg") else fetch(url, where, "video", self.policy)
+        video = decode_video(data, where, url)
+        try:
+            pixels, grid = qwen_video(video.frames, self.patch, self.merge, self.temporal, self.mean, self.std)
+        except ValueError as exc:
+            raise MediaError(where, f"Failed to apply Qwen3VLVideoProcessor: {exc}") from None
+        return pixels, grid, timestamps(video.indices, video.fps, self.temporal)
+
+    def _segments(self, pixels: np.ndarray, grid: tuple[int, int, int], run_options: Any) -> np.ndarray:
+        """Vision graph once per attention segment (an image, or one temporal group of a video)."""
+        t, h, w = grid
+        inputs = vision_inputs(h, w, self.side, self.merge)
+        rows = h * w
+        return np.concatenate([self.session.run({"pixel_values": pixels[g * rows:(g + 1) * rows], **inputs},
+                                                run_options)[0] for g in range(t)])
+
     def encode(self, request: DecisionRequest, run_options: Any = None) -> EncodedMedia:
-        """Every image of the request, in request order: one fetch, one decode, one vision-graph run each."""
-        urls = [(url, f"images[{i}]") for i, url in enumerate(request.images or ())]
-        with ThreadPoolExecutor(max_workers=min(8, max(1, len(urls)))) as pool:
-            processed = list(pool.map(lambda item: self._image_rows(*item), urls))
+        """Every image, then every video, in request order: one fetch, one decode, one vision pass each."""
+        jobs = [(self._image_rows, url, f"images[{i}]") for i, url in enumerate(request.images or ())]
+        jobs += [(self._video_rows, url, f"videos[{i}]") for i, url in enumerate(request.videos or ())]
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(jobs)))) as pool:
+            processed = list(pool.map(lambda job: job[0](job[1], job[2]), jobs))
         layouts, embeds = [], []
-        for pixels, (_, h, w) in processed:
-            feeds = {"pixel_values": pixels, **vision_inputs(h, w, self.side, self.merge)}
-            embeds.append(self.session.run(feeds, run_options)[0])
-            layouts.append(MediaLayout("image", ((h // self.merge, w // self.merge),)))
+        for item in processed:
+            pixels, (t, h, w) = item[0], item[1]
+            embeds.append(self._segments(pixels, (t, h, w), run_options))
+            cells = (h // self.merge, w // self.merge)
+            layouts.append(MediaLayout("image", (cells,)) if len(item) == 2
+                           else MediaLayout("video", (cells,) * t, item[2]))
         return EncodedMedia(layouts, np.concatenate(embeds, axis=0))

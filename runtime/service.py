@@ -99,15 +99,12 @@ class DecisionService:
                 raise DecisionError(f"At most {limit} {kind}(s) may be provided in one prompt. (parameter={kind})",
                                     param=kind)
         self.family.check_request(request, questions)
-        if request.videos:
-            raise DecisionError(f"media: this build does not read videos yet (videos: {len(request.videos)}); "
-                                "send text, JSON or images")
         return request, questions
 
     # -- prompts (spec 4.4-4.7, 4.12) ------------------------------------------------------------------------
     def render(self, body: Any) -> list[RenderedPrompt]:
         request, questions = self.validate(body)
-        return self._prompts(request, questions, self.media.encode(request) if request.images else None)[0]
+        return self._prompts(request, questions, self.media.encode(request) if request.modalities() else None)[0]
 
     def _prompts(self, request: DecisionRequest, questions: list[Question], media: EncodedMedia | None
                  ) -> tuple[list[RenderedPrompt], Media | None]:
@@ -154,7 +151,7 @@ class DecisionService:
     def answer(self, request: DecisionRequest, questions: list[Question], header_request_id: str | None = None,
                run_options: Any = None) -> dict[str, Any]:
         """Answer a request that `validate` accepted: media once, prompts, one batch, answers."""
-        media = self.media.encode(request, run_options) if request.images else None
+        media = self.media.encode(request, run_options) if request.modalities() else None
         prompts, graph_media = self._prompts(request, questions, media)
         logits = self.runner.run([p.token_ids for p in prompts], run_options, [p.positions for p in prompts],
                                  graph_media)

@@ -107,3 +107,17 @@ class CountingServer:
         finally:
             self.server.shutdown()
             self.server.server_close()
+
+
+def write_video(path, frames: int, fps: float, width: int, height: int) -> bytes:
+    """An mp4v file whose frame i shows i as a gray level band (OpenCV's writer), returned as bytes."""
+    import cv2
+
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    base = fixture_image("photo-4000x3000")[:height, :width]
+    for i in range(frames):
+        frame = base.copy()
+        frame[: height // 8] = (i * 7) % 256
+        writer.write(np.ascontiguousarray(frame[..., ::-1]))
+    writer.release()
+    return path.read_bytes()

@@ -197,10 +197,11 @@ def test_modalities_are_checked_before_joint(client):
     assert_error(response, 400, "this model does not take audio inputs")
 
 
-def test_media_gets_a_clear_400_in_this_build(client):
-    """Issue 2: until the media issue lands, images and videos are a 400 naming that this build reads none."""
-    response = post(client, {"state": None, "questions": {"q": NOUL}, "images": ["https://example.com/a.png"]})
-    assert_error(response, 400, "media: this build does not read images or videos yet (images: 1)")
+def test_unfetchable_media_is_a_4xx_naming_its_place(client):
+    """README decision 1: a media URL that cannot be fetched is a 4xx (vLLM: 500), naming images[i]."""
+    response = post(client, {"state": None, "questions": {"q": NOUL}, "images": ["http://127.0.0.1:1/a.png"]})
+    body = assert_error(response, 400, "media: images[0]: host '127.0.0.1' resolves to a non-public address")
+    assert body["error"]["type"] == "BadRequestError"
 
 
 # -- spec 1.3 step 8, 4.5, 6.4: d3 family checks ----------------------------------------------------------------

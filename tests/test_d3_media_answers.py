@@ -1,5 +1,5 @@
-"""d3 images end to end (spec 4.8, 4.9, 4.11, 6.1; README decision 6): decoded like vLLM, read once per request,
-answers equal to the torch model's on the same inputs."""
+"""d3 images and videos end to end (spec 4.8-4.11, 6.1; README decision 6): decoded like vLLM, read once per
+request, answers equal to the torch model's (transformers' whole Qwen3_5Model) on the same inputs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ from systemone.runtime.image_transform import qwen_image
 from systemone.runtime.media_decode import decode_image
 from systemone.runtime.media_fetch import FetchPolicy
 from systemone.runtime.service import DecisionService
-from tests.media_helpers import CountingServer, data_url, test_images
+from PIL import Image
+
+from scripts.vision_fixtures import fixture_image
+from systemone.runtime.video import decode_video, qwen_video
+from tests.media_helpers import CountingServer, data_url, encoded, test_images, write_video
 
 IMAGES = test_images()
 QUESTIONS = [
@@ -59,7 +63,7 @@ def test_images_match_the_torch_model(d3_service, reference):
         pixels = np.concatenate([p for p, _ in processed])
         grids = [grid for _, grid in processed]
         for prompt in d3_service.render(body):
-            logits = reference.reference_logits_with_images(prompt.token_ids, prompt.positions, pixels, grids)
+            logits = reference.reference_logits_with_media(prompt.token_ids, prompt.positions, (pixels, grids))
             want = d3_service.family.read(prompt.question, logits.tolist()).probs
             got = list(answers[prompt.question.id]["probabilities"].values())
             assert first_argmax(got) == first_argmax(want), prompt.question.id
@@ -87,15 +91,49 @@ def test_decoding_applies_exif_and_composites_transparency_on_white():
     assert palette.shape == (480, 640, 3)
 
 
-def test_one_fetch_and_one_vision_pass_per_image(d3_artifact):
-    """8 questions over 2 images: each image is fetched once and encoded once, whatever the question count."""
-    server = CountingServer({"a.png": IMAGES["vga-640x480.jpg"], "b.png": IMAGES["tiny-50x50.png"]})
+def test_one_fetch_and_one_vision_pass_per_media(d3_artifact, tmp_path):
+    """8 questions over 2 images and 1 video: each is fetched once and encoded once (the video once per frame
+    group), whatever the number of questions."""
+    video = write_video(tmp_path / "v.mp4", frames=40, fps=20.0, width=320, height=240)  # 4 frames, 2 groups
+    server = CountingServer({"a.png": IMAGES["vga-640x480.jpg"], "b.png": IMAGES["tiny-50x50.png"], "v.mp4": video})
     service = DecisionService(Artifact.load(d3_artifact), "cpu", fetch_policy=FetchPolicy(allow_private_hosts=True))
     with server.running():
         body = {"state": "x", "images": [f"{server.url}/a.png", f"{server.url}/b.png"],
+                "videos": [f"{server.url}/v.mp4"],
                 "questions": {f"q{i}": QUESTIONS[i % len(QUESTIONS)] for i in range(8)}}
         before = service.vision_session.runs
         response = service.decide(body)
     assert len(response["answers"]) == 8
-    assert dict(server.gets) == {"a.png": 1, "b.png": 1}
-    assert service.vision_session.runs - before == 2
+    assert dict(server.gets) == {"a.png": 1, "b.png": 1, "v.mp4": 1}
+    assert service.vision_session.runs - before == 2 + 2
+
+
+def video_requests(tmp_path):
+    """4 videos: different fps, lengths and sizes; one with an odd frame count; one as JPEG frames."""
+    files = {"fast.mp4": write_video(tmp_path / "fast.mp4", frames=90, fps=30.0, width=640, height=360),
+             "slow.mp4": write_video(tmp_path / "slow.mp4", frames=5, fps=2.0, width=200, height=300),  # 5 frames
+             "wide.mp4": write_video(tmp_path / "wide.mp4", frames=48, fps=24.0, width=1280, height=200)}
+    jpegs = [encoded(Image.fromarray(fixture_image("vga-640x480")[i * 8:i * 8 + 240, :320]), "JPEG") for i in range(3)]
+    urls = [data_url(data, "video/mp4") for data in files.values()]
+    urls.append("data:video/jpeg;base64," + ",".join(base64.b64encode(j).decode() for j in jpegs))
+    return [{"state": {"clip": i}, "videos": [url], "questions": {f"v{i}/q{j}": q for j, q in enumerate(QUESTIONS[:4])}}
+            for i, url in enumerate(urls)]
+
+
+def test_videos_match_the_torch_model(d3_service, reference, tmp_path):
+    worst, count = 0.0, 0
+    for body in video_requests(tmp_path):
+        url = body["videos"][0]
+        data = b"" if url.startswith("data:video/jpeg") else base64.b64decode(url.split(",", 1)[1])
+        video = decode_video(data, "videos[0]", url)
+        pixels, grid = qwen_video(video.frames, 16, 2, 2, (0.5,) * 3, (0.5,) * 3)
+        answers = d3_service.decide(body)["answers"]
+        for prompt in d3_service.render(body):
+            logits = reference.reference_logits_with_media(prompt.token_ids, prompt.positions, videos=(pixels, [grid]))
+            want = d3_service.family.read(prompt.question, logits.tolist()).probs
+            got = list(answers[prompt.question.id]["probabilities"].values())
+            assert first_argmax(got) == first_argmax(want), prompt.question.id
+            worst = max(worst, float(np.abs(np.array(got) - np.array(want)).max()))
+            count += 1
+    print(f"\nvideos: {count} questions over 4 videos, max |dp| {worst:.2e}")
+    assert count >= 16 and worst <= 1e-4
