@@ -39,5 +39,4 @@ def decode_image(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) ->
     except MediaError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, MemoryError) as exc:
-        message = str(exc).replace(" <_io.BytesIO object>", "")
-        raise MediaError(where, f"Failed to load image: {message}") from None
+        raise MediaError(where, f"Failed to load image: {exc}") from None

@@ -51,7 +51,7 @@ def _jpeg_frames(url: str, where: str) -> SampledVideo:
             data = base64.b64decode(part, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise MediaError(where, f"invalid base64 in video frame {index}: {exc}") from None
-        frames.append(decode_image(data, f"{where} frame {index}"))
+        frames.append(decode_image(data, f"{where}: frame {index}"))
     if not frames or any(f.shape != frames[0].shape for f in frames):
         raise MediaError(where, "a JPEG-frame video needs at least one frame, all of one size")
     return SampledVideo(np.stack(frames), tuple(range(len(frames))), float(SAMPLE_FPS))

@@ -197,6 +197,14 @@ def test_modalities_are_checked_before_joint(client):
     assert_error(response, 400, "this model does not take audio inputs")
 
 
+def test_media_counts_are_limited_per_request(client):
+    """vLLM's --limit-mm-per-prompt message, with this server's limits (16 images, 4 videos by default)."""
+    response = post(client, {"state": None, "questions": {"q": NOUL}, "images": ["data:,"] * 17})
+    assert_error(response, 400, "At most 16 image(s) may be provided in one prompt. (parameter=image)", param="image")
+    response = post(client, {"state": None, "questions": {"q": NOUL}, "videos": ["data:,"] * 5})
+    assert_error(response, 400, "At most 4 video(s) may be provided in one prompt. (parameter=video)", param="video")
+
+
 def test_unfetchable_media_is_a_4xx_naming_its_place(client):
     """README decision 1: a media URL that cannot be fetched is a 4xx (vLLM: 500), naming images[i]."""
     response = post(client, {"state": None, "questions": {"q": NOUL}, "images": ["http://127.0.0.1:1/a.png"]})

@@ -1,6 +1,6 @@
 """A corpus of 200+ corrupt or hostile media inputs against a live server (issue 4; README decisions 1, 6):
-truncated files, wrong magic bytes, bomb-like headers, malformed data URLs, private hosts and redirects to
-127.0.0.1. Zero 5xx, every body JSON, and the server keeps answering."""
+truncated files, wrong magic bytes, bomb-like headers, malformed data URLs, private hosts, redirects to
+127.0.0.1, zero-frame and one-frame videos. Zero 5xx, every body JSON, and the server keeps answering."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from systemone.runtime.artifact import Artifact
 from systemone.runtime.media_fetch import FetchPolicy
 from systemone.runtime.service import DecisionService
 from tests.live_server import live_server
-from tests.media_helpers import CountingServer, data_url, encoded, test_images
+from tests.media_helpers import CountingServer, data_url, encoded, test_images, write_video
 
 from scripts.vision_fixtures import fixture_image
 
@@ -68,7 +68,26 @@ def corpus(server_url: str, redirect_url: str) -> list[str]:
     return urls
 
 
-def test_hostile_media_corpus(d3_artifact, monkeypatch):
+def video_corpus(tmp_path) -> list[str]:
+    """Videos that cannot be read: zero frames, one frame, truncated, not a video, bad JPEG-frame URLs."""
+    import cv2
+
+    empty = tmp_path / "empty.mp4"
+    writer = cv2.VideoWriter(str(empty), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (64, 64))
+    writer.release()
+    one = write_video(tmp_path / "one.mp4", frames=1, fps=10.0, width=64, height=64)
+    good = write_video(tmp_path / "good.mp4", frames=20, fps=10.0, width=64, height=64)
+    jpeg = base64.b64encode(encoded(Image.fromarray(fixture_image("tiny-50x50")), "JPEG")).decode()
+    urls = [data_url(empty.read_bytes() if empty.exists() else b"", "video/mp4"), data_url(one, "video/mp4"),
+            data_url(b"", "video/mp4"), data_url(b"\x00" * 1000, "video/mp4"), data_url(test_images()["tiny-50x50.png"],
+                                                                                    "video/mp4")]
+    urls += [data_url(good[: int(len(good) * f)], "video/mp4") for f in (0.05, 0.2, 0.5, 0.8)]
+    urls += ["data:video/jpeg;base64,", f"data:video/jpeg;base64,{jpeg},!!!", f"data:video/jpeg;base64,{jpeg}",
+             "data:video/jpeg;base64,AAAA,BBBB"]
+    return urls
+
+
+def test_hostile_media_corpus(d3_artifact, monkeypatch, tmp_path):
     # The corpus server plays a public host (so the redirect to 127.0.0.1 is what gets refused).
     monkeypatch.setattr(media_fetch, "_public", lambda address: address == "127.0.0.2")
     files = {"not-an-image.png": b"<html>nope</html>", "truncated.png": test_images()["tiny-50x50.png"][:300]}
@@ -80,19 +99,20 @@ def test_hostile_media_corpus(d3_artifact, monkeypatch):
         public_url = server.url
         server.redirects.update({"to-loopback": f"http://127.0.0.1:{port}/truncated.png",
                                  "loop": f"http://127.0.0.2:{port}/loop"})
-        urls = corpus(public_url, public_url)
+        inputs = [("images", url) for url in corpus(public_url, public_url)]
+        inputs += [("videos", url) for url in video_corpus(tmp_path)]
         with live_server(service) as base, httpx.Client(base_url=base, timeout=120) as client:
-            for url in urls:
-                response = client.post("/v1/systemone", json={"state": "x", "images": [url],
+            for field, url in inputs:
+                response = client.post("/v1/systemone", json={"state": "x", field: [url],
                                                               "questions": {"q": {"type": "noul"}}})
                 statuses[response.status_code] += 1
                 body = response.json()
                 assert response.status_code < 500, (url[:80], body)
                 if response.status_code != 200:
-                    assert body["error"]["message"].startswith("media: images[0]: "), body
+                    assert body["error"]["message"].startswith(f"media: {field}[0]: "), body
             good = client.post("/v1/systemone", json={"state": "x", "questions": {"q": {"type": "noul"}}})
-    print(f"\nmedia corpus: {len(urls)} inputs, statuses {dict(sorted(statuses.items()))}")
-    assert len(urls) >= 200
+    print(f"\nmedia corpus: {len(inputs)} inputs, statuses {dict(sorted(statuses.items()))}")
+    assert len(inputs) >= 200
     assert statuses[200] >= 2  # the two valid PNGs sent under another MIME type (and what Pillow still reads)
     assert good.status_code == 200
     assert server.gets["to-loopback"] == 1 and server.gets["truncated.png"] == 1  # the redirect was not followed
