@@ -39,15 +39,18 @@ class D3MediaEncoder:
         self.std = tuple(vision["image_std"])
         self.policy = policy
 
-    def _image_rows(self, url: str, where: str) -> tuple[np.ndarray, tuple[int, int, int]]:
+    def _image(self, url: str, where: str) -> tuple[np.ndarray, tuple[int, int, int], tuple[float, ...]]:
+        """Pixel rows, grid (1, h, w), no timestamps."""
         rgb = decode_image(fetch(url, where, "image", self.policy), where)
         try:
-            return qwen_image(rgb, self.patch, self.merge, self.temporal, self.mean, self.std, IMAGE_MIN_PIXELS,
-                              IMAGE_MAX_PIXELS)
+            pixels, grid = qwen_image(rgb, self.patch, self.merge, self.temporal, self.mean, self.std,
+                                      IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)
         except ValueError as exc:
             raise MediaError(where, f"Failed to apply Qwen2VLImageProcessor: {exc}") from None
+        return pixels, grid, ()
 
-    def _video_rows(self, url: str, where: str) -> tuple[np.ndarray, tuple[int, int, int], tuple[float, ...]]:
+    def _video(self, url: str, where: str) -> tuple[np.ndarray, tuple[int, int, int], tuple[float, ...]]:
+        """Pixel rows, grid (t, h, w), one timestamp per temporal group."""
         data = b"" if url[:16].lower().startswith("data:video/jpeg") else fetch(url, where, "video", self.policy)
         video = decode_video(data, where, url)
         try:
@@ -66,15 +69,13 @@ class D3MediaEncoder:
 
     def encode(self, request: DecisionRequest, run_options: Any = None) -> EncodedMedia:
         """Every image, then every video, in request order: one fetch, one decode, one vision pass each."""
-        jobs = [(self._image_rows, url, f"images[{i}]") for i, url in enumerate(request.images or ())]
-        jobs += [(self._video_rows, url, f"videos[{i}]") for i, url in enumerate(request.videos or ())]
+        jobs = [("image", url, f"images[{i}]") for i, url in enumerate(request.images or ())]
+        jobs += [("video", url, f"videos[{i}]") for i, url in enumerate(request.videos or ())]
+        read = {"image": self._image, "video": self._video}
         with ThreadPoolExecutor(max_workers=min(8, max(1, len(jobs)))) as pool:
-            processed = list(pool.map(lambda job: job[0](job[1], job[2]), jobs))
+            processed = list(pool.map(lambda job: read[job[0]](job[1], job[2]), jobs))
         layouts, embeds = [], []
-        for item in processed:
-            pixels, (t, h, w) = item[0], item[1]
+        for (kind, _, _), (pixels, (t, h, w), stamps) in zip(jobs, processed):
             embeds.append(self._segments(pixels, (t, h, w), run_options))
-            cells = (h // self.merge, w // self.merge)
-            layouts.append(MediaLayout("image", (cells,)) if len(item) == 2
-                           else MediaLayout("video", (cells,) * t, item[2]))
+            layouts.append(MediaLayout(kind, ((h // self.merge, w // self.merge),) * t, stamps))
         return EncodedMedia(layouts, np.concatenate(embeds, axis=0))

@@ -48,6 +48,20 @@ def requests_over_images():
     return bodies
 
 
+def compare(service, body, reference_logits) -> tuple[int, float]:
+    """The runtime's answers vs the torch model's on each question's prompt: picks must agree; returns the
+    question count and max |dp|."""
+    answers = service.decide(body)["answers"]
+    worst, count = 0.0, 0
+    for prompt in service.render(body):
+        want = service.family.read(prompt.question, reference_logits(prompt).tolist()).probs
+        got = list(answers[prompt.question.id]["probabilities"].values())
+        assert first_argmax(got) == first_argmax(want), prompt.question.id
+        worst = max(worst, float(np.abs(np.array(got) - np.array(want)).max()))
+        count += 1
+    return count, worst
+
+
 @pytest.fixture(scope="module")
 def reference(d3_checkpoint):
     return D3ExportConfig(d3_checkpoint)
@@ -57,18 +71,12 @@ def test_images_match_the_torch_model(d3_service, reference):
     """>= 60 questions over >= 8 images: every pick equal, max |dp| <= 1e-4."""
     worst, count = 0.0, 0
     for body in requests_over_images():
-        answers = d3_service.decide(body)["answers"]
         rgb = [decode_image(base64.b64decode(url.split(",", 1)[1]), "x") for url in body["images"]]
         processed = [qwen_image(x, 16, 2, 2, (0.5,) * 3, (0.5,) * 3, IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS) for x in rgb]
-        pixels = np.concatenate([p for p, _ in processed])
-        grids = [grid for _, grid in processed]
-        for prompt in d3_service.render(body):
-            logits = reference.reference_logits_with_media(prompt.token_ids, prompt.positions, (pixels, grids))
-            want = d3_service.family.read(prompt.question, logits.tolist()).probs
-            got = list(answers[prompt.question.id]["probabilities"].values())
-            assert first_argmax(got) == first_argmax(want), prompt.question.id
-            worst = max(worst, float(np.abs(np.array(got) - np.array(want)).max()))
-            count += 1
+        images = (np.concatenate([p for p, _ in processed]), [grid for _, grid in processed])
+        n, dp = compare(d3_service, body, lambda prompt: reference.reference_logits_with_media(
+            prompt.token_ids, prompt.positions, images))
+        count, worst = count + n, max(worst, dp)
     print(f"\nimages: {count} questions over {len(IMAGES)} images, max |dp| {worst:.2e}")
     assert count >= 60 and len(IMAGES) >= 8
     assert worst <= 1e-4
@@ -127,13 +135,8 @@ def test_videos_match_the_torch_model(d3_service, reference, tmp_path):
         data = b"" if url.startswith("data:video/jpeg") else base64.b64decode(url.split(",", 1)[1])
         video = decode_video(data, "videos[0]", url)
         pixels, grid = qwen_video(video.frames, 16, 2, 2, (0.5,) * 3, (0.5,) * 3)
-        answers = d3_service.decide(body)["answers"]
-        for prompt in d3_service.render(body):
-            logits = reference.reference_logits_with_media(prompt.token_ids, prompt.positions, videos=(pixels, [grid]))
-            want = d3_service.family.read(prompt.question, logits.tolist()).probs
-            got = list(answers[prompt.question.id]["probabilities"].values())
-            assert first_argmax(got) == first_argmax(want), prompt.question.id
-            worst = max(worst, float(np.abs(np.array(got) - np.array(want)).max()))
-            count += 1
+        n, dp = compare(d3_service, body, lambda prompt: reference.reference_logits_with_media(
+            prompt.token_ids, prompt.positions, videos=(pixels, [grid])))
+        count, worst = count + n, max(worst, dp)
     print(f"\nvideos: {count} questions over 4 videos, max |dp| {worst:.2e}")
     assert count >= 16 and worst <= 1e-4
