@@ -71,11 +71,14 @@ class D3MediaEncoder:
         """Every image, then every video, in request order: one fetch, one decode, one vision pass each."""
         jobs = [("image", url, f"images[{i}]") for i, url in enumerate(request.images or ())]
         jobs += [("video", url, f"videos[{i}]") for i, url in enumerate(request.videos or ())]
+        unique = list({(kind, url): (kind, url, where) for kind, url, where in reversed(jobs)}.values())[::-1]
         read = {"image": self._image, "video": self._video}
-        with ThreadPoolExecutor(max_workers=min(8, max(1, len(jobs)))) as pool:
-            processed = list(pool.map(lambda job: read[job[0]](job[1], job[2]), jobs))
-        layouts, embeds = [], []
-        for (kind, _, _), (pixels, (t, h, w), stamps) in zip(jobs, processed):
-            embeds.append(self._segments(pixels, (t, h, w), run_options))
-            layouts.append(MediaLayout(kind, ((h // self.merge, w // self.merge),) * t, stamps))
-        return EncodedMedia(layouts, np.concatenate(embeds, axis=0))
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(unique)))) as pool:
+            processed = list(pool.map(lambda job: read[job[0]](job[1], job[2]), unique))
+        # The same URL listed twice is read and encoded once; its rows fill both placeholders.
+        encoded = {}
+        for (kind, url, _), (pixels, (t, h, w), stamps) in zip(unique, processed):
+            layout = MediaLayout(kind, ((h // self.merge, w // self.merge),) * t, stamps)
+            encoded[kind, url] = layout, self._segments(pixels, (t, h, w), run_options)
+        items = [encoded[kind, url] for kind, url, _ in jobs]
+        return EncodedMedia([layout for layout, _ in items], np.concatenate([rows for _, rows in items], axis=0))
