@@ -97,6 +97,20 @@ class D3ExportConfig:
                                 grid_thw=torch.tensor([[1, h, w]], device=self.model.device))
         return out.pooler_output.float().cpu().numpy()
 
+    def _read_last_token(self, length: int, positions: np.ndarray, **inputs: Any) -> np.ndarray:
+        """Run `Qwen3_5Model` on one prompt of `length` tokens (bidirectional full attention when the checkpoint
+        says so, spec 4.3) and apply the readout at its last token (spec 4.13)."""
+        device = self.model.device
+        if self.attention_mode == "noncausal_full_attention":
+            inputs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length, device=device),
+                                        "linear_attention": None}
+        position_ids = torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device)
+        hidden = self.model(position_ids=position_ids, **inputs).last_hidden_state[0, -1].float()
+        logits = hidden @ self.readout_weight.to(device).t()
+        if self.readout_bias is not None:
+            logits = logits + self.readout_bias.to(device)
+        return logits.cpu().numpy()
+
     @torch.no_grad()
     def reference_logits_with_media(self, token_ids: list[int], positions: np.ndarray,
                                     images: tuple[np.ndarray, list[tuple[int, int, int]]] | None = None,
@@ -106,22 +120,12 @@ class D3ExportConfig:
         on the (pixel rows, grids) of the images and videos and scatters the rows into the pad tokens; readout at
         the last token."""
         device = self.model.device
-        kwargs: dict[str, Any] = {}
+        inputs: dict[str, Any] = {"input_ids": torch.tensor([token_ids], device=device)}
         for name, media in (("", images), ("_videos", videos)):
             if media is not None:
-                kwargs[f"pixel_values{name}"] = torch.from_numpy(media[0]).to(device)
-                kwargs["image_grid_thw" if not name else "video_grid_thw"] = torch.tensor(media[1], device=device)
-        if self.attention_mode == "noncausal_full_attention":
-            length = len(token_ids)
-            kwargs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length, device=device),
-                                        "linear_attention": None}
-        out = self.model(input_ids=torch.tensor([token_ids], device=device),
-                         position_ids=torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device),
-                         **kwargs)
-        logits = out.last_hidden_state[0, -1].float() @ self.readout_weight.to(device).t()
-        if self.readout_bias is not None:
-            logits = logits + self.readout_bias.to(device)
-        return logits.cpu().numpy()
+                inputs[f"pixel_values{name}"] = torch.from_numpy(media[0]).to(device)
+                inputs["image_grid_thw" if not name else "video_grid_thw"] = torch.tensor(media[1], device=device)
+        return self._read_last_token(len(token_ids), positions, **inputs)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         # Three chunks of the delta rule and two distinct lengths, so no size is 0/1-specialised in the trace.
@@ -140,21 +144,10 @@ class D3ExportConfig:
         """The torch model on one unpadded prompt: readout logits at its last token (spec 4.13). Media embeddings,
         when given, replace the token embeddings at `media_positions` as `Qwen3_5Model` scatters them."""
         device = self.model.device
-        ids = torch.tensor([token_ids], device=device)
-        pos = torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device)
-        kwargs: dict[str, Any] = {"inputs_embeds": self.model.get_input_embeddings()(ids)}
+        embeds = self.model.get_input_embeddings()(torch.tensor([token_ids], device=device))
         if media_embeds is not None:
-            kwargs["inputs_embeds"][0, torch.from_numpy(media_positions).to(device)] = torch.from_numpy(
-                media_embeds).to(device)
-        if self.attention_mode == "noncausal_full_attention":
-            length = len(token_ids)
-            kwargs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length, device=device),
-                                        "linear_attention": None}
-        hidden = self.model(position_ids=pos, **kwargs).last_hidden_state[0, -1].float()
-        logits = hidden @ self.readout_weight.to(device).t()
-        if self.readout_bias is not None:
-            logits = logits + self.readout_bias.to(device)
-        return logits.cpu().numpy()
+            embeds[0, torch.from_numpy(media_positions).to(device)] = torch.from_numpy(media_embeds).to(device)
+        return self._read_last_token(len(token_ids), positions, inputs_embeds=embeds)
 
     def write_runtime_files(self, out: Path) -> dict[str, Any]:
         return write_runtime_files(self.checkpoint, out)

@@ -24,8 +24,6 @@ DEFAULT_INSTRUCTIONS = "Choose the best matching option."
 CLOSING_LINE = "Reply with only the code of the best option."
 NOUL_NO_DEFAULT = "No / false"
 NOUL_YES_DEFAULT = "Yes / true"
-IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 ATTENTION_MODES = ("causal", "noncausal_full_attention")
 MAX_SCORE_LEVELS = 10
 

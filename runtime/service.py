@@ -20,17 +20,14 @@ from ..models.questions import Question, parse_questions
 from ..models.request import DecisionRequest, parse_request
 from .artifact import Artifact
 from .chat_template import ChatTemplateError
-from .d3_media import D3MediaEncoder, EncodedMedia
+from .d3_media import D3MediaEncoder
 from .media_fetch import FetchPolicy
-from .media_prompt import expand_media, mrope_positions
+from .media_prompt import VISION_END, expand_media, mrope_positions
 from .session import GraphSession
 from .text_batch import CodeLogitsRunner, Media, attention_bytes, text_positions
 
 RESPONSE_OBJECT = "structured_decision"
 ID_PREFIX = "decision-"
-
-
-MEDIA_END = "<|vision_end|>"
 
 
 @dataclass(frozen=True)
@@ -104,10 +101,12 @@ class DecisionService:
     # -- prompts (spec 4.4-4.7, 4.12) ------------------------------------------------------------------------
     def render(self, body: Any) -> list[RenderedPrompt]:
         request, questions = self.validate(body)
-        return self._prompts(request, questions, self.media.encode(request) if request.modalities() else None)[0]
+        return self._prompts(request, questions)[0]
 
-    def _prompts(self, request: DecisionRequest, questions: list[Question], media: EncodedMedia | None
+    def _prompts(self, request: DecisionRequest, questions: list[Question], run_options: Any = None
                  ) -> tuple[list[RenderedPrompt], Media | None]:
+        """Every question's prompt (media read once, spec 4.8) and the media rows the text graph takes."""
+        media = self.media.encode(request, run_options) if request.modalities() else None
         state_text = self.family.render_state(request.state)
         texts = []
         for question in questions:
@@ -125,7 +124,7 @@ class DecisionService:
         else:
             # Spec 4.8: the first prompt is split after its last <|vision_end|>; that media prefix, tokenized
             # and expanded once, starts every question's prompt.
-            split = texts[0].rindex(MEDIA_END) + len(MEDIA_END)
+            split = texts[0].rindex(VISION_END) + len(VISION_END)
             if any(not t.startswith(texts[0][:split]) for t in texts):
                 raise DecisionError("the questions' prompts do not share their media")
             prefix = expand_media(tokenizer.encode(texts[0][:split]), media.layouts, tokenizer.encode,
@@ -151,8 +150,7 @@ class DecisionService:
     def answer(self, request: DecisionRequest, questions: list[Question], header_request_id: str | None = None,
                run_options: Any = None) -> dict[str, Any]:
         """Answer a request that `validate` accepted: media once, prompts, one batch, answers."""
-        media = self.media.encode(request, run_options) if request.modalities() else None
-        prompts, graph_media = self._prompts(request, questions, media)
+        prompts, graph_media = self._prompts(request, questions, run_options)
         logits = self.runner.run([p.token_ids for p in prompts], run_options, [p.positions for p in prompts],
                                  graph_media)
         answers, diagnostics = {}, {}
