@@ -60,7 +60,8 @@ def build_answer(question: Question, read: Read) -> dict[str, Any]:
 
 
 class Family(ABC):
-    """One model family's contract: limits, prompt, read. Subclasses hold every prompt string of their family."""
+    """One model family's contract: limits, prompt, read. Subclasses hold every prompt string of their family and
+    a `read` from what their graph computes (d1: label log-probabilities, d3: code logits) to a `Read`."""
 
     name: str
     modalities: frozenset[str]
@@ -80,10 +81,6 @@ class Family(ABC):
     @abstractmethod
     def messages(self, request: DecisionRequest, question: Question, state_text: str) -> list[dict[str, Any]]:
         """The chat messages of one question."""
-
-    @abstractmethod
-    def read(self, question: Question, outputs: Sequence[float]) -> Read:
-        """One question's read from the graph's outputs for its prompt (spec 2.5)."""
 
     def output_tokens(self, questions: Sequence[Question]) -> int:
         """Tokens generated for these questions (spec 5.3)."""

@@ -1,0 +1,140 @@
+"""The d1 text graph: the LFM2 decoder with its state in and out, read at the last token, written for ONNX export.
+
+One graph serves both halves of a d1 request (spec 3.7; issue: state prefix reuse):
+
+* prefill: the shared prompt prefix (state, images) of one request, batch 1, no past (empty KV, zero conv state);
+  it returns the prefix's new keys/values and conv states;
+* suffixes: every question's remaining tokens as a right-padded batch on that snapshot; the past has batch 1 and
+  is broadcast to the batch inside the graph (queries of every row read the same past keys, nothing is copied).
+
+Inputs:  input_ids [B, T] int64, media_embeds [M, hidden] float32, media_index [M] int64 (flat positions in B*T),
+         last_index [B] int64, label_ids [K] int64, then per decoder layer in order: attention layers
+         past_key_i / past_value_i [1, kv_heads, P, head_dim], conv layers past_conv_i [1, hidden, L-1].
+Outputs: label_logprobs [B, K] float32 (full-vocabulary log-softmax at each row's last_index, at label_ids),
+         argmax [B] int64 (greedy token), then per layer new_key_i / new_value_i [B, kv_heads, T, head_dim]
+         (this call's keys only) and new_conv_i [B, hidden, L-1] (the conv window after the last token).
+
+Right padding keeps every real token's computation exact: attention and the short convolution are causal, so a
+row's pads come after it and never reach it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Lfm2AttentionBlock(nn.Module):
+    """Grouped-query attention over [past ; this call] with rotary positions P..P+T-1 (LFM2's q/k RMS norms)."""
+
+    def __init__(self, attn, eps: float):
+        super().__init__()
+        self.attn = attn
+        self.eps = eps
+        self.head_dim = attn.head_dim
+        self.groups = attn.num_key_value_groups
+
+    def forward(self, x, cos, sin, causal, past_key, past_value):
+        batch, length, _ = x.shape
+        hd = self.head_dim
+        q = self.attn.q_proj(x).view(batch, length, -1, hd)
+        k = self.attn.k_proj(x).view(batch, length, -1, hd)
+        v = self.attn.v_proj(x).view(batch, length, -1, hd).transpose(1, 2)
+        q = _rms_norm(q, self.attn.q_layernorm.weight, self.eps).transpose(1, 2)
+        k = _rms_norm(k, self.attn.k_layernorm.weight, self.eps).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        kv_heads = k.shape[1]
+        # Query head h reads kv head h // groups: fold the group into the query rows, so K/V are never repeated.
+        q = q.reshape(batch, kv_heads, self.groups * length, hd) * (hd**-0.5)
+        past_scores = torch.matmul(q, past_key.transpose(2, 3))  # [B, kvh, g*T, P], past broadcast over B
+        new_scores = torch.matmul(q, k.transpose(2, 3)).view(batch, kv_heads, self.groups, length, length)
+        new_scores = (new_scores + causal).view(batch, kv_heads, self.groups * length, length)
+        probs = torch.softmax(torch.cat([past_scores, new_scores], dim=-1), dim=-1)
+        past_len = past_key.shape[2]
+        out = torch.matmul(probs[..., :past_len], past_value) + torch.matmul(probs[..., past_len:], v)
+        out = out.view(batch, kv_heads * self.groups, length, hd).transpose(1, 2).reshape(batch, length, -1)
+        return self.attn.out_proj(out), k, v
+
+
+class Lfm2ConvBlock(nn.Module):
+    """LFM2's gated short convolution, continued from the previous call's window of B*x values."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x, past_conv):
+        bcx = self.conv.in_proj(x).transpose(1, 2)
+        b, c, xx = bcx.chunk(3, dim=1)
+        bx = b * xx  # [B, H, T]
+        window = torch.cat([past_conv.expand(bx.shape[0], -1, -1), bx], dim=2)
+        conv = self.conv.conv
+        out = F.conv1d(window, conv.weight, conv.bias, groups=conv.weight.shape[0])  # [B, H, T]
+        y = self.conv.out_proj((c * out).transpose(1, 2))
+        return y, window[:, :, window.shape[2] - past_conv.shape[2]:]
+
+
+class D1TextGraph(nn.Module):
+    """LFM2 decoder (weights shared with transformers' `Lfm2Model`) + tied LM head log-softmax at the last token."""
+
+    def __init__(self, language_model, lm_head_weight: torch.Tensor):
+        super().__init__()
+        self.lm = language_model
+        config = language_model.config
+        self.eps = config.norm_eps
+        self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
+        self.register_buffer("inv_freq", language_model.rotary_emb.inv_freq.detach().clone(), persistent=False)
+        self.blocks = nn.ModuleList(
+            Lfm2AttentionBlock(layer.self_attn, self.eps) if layer.is_attention_layer else Lfm2ConvBlock(layer.conv)
+            for layer in language_model.layers)
+
+    def forward(self, input_ids, media_embeds, media_index, last_index, label_ids, states):
+        batch, length = input_ids.shape
+        hidden = self.lm.embed_tokens(input_ids)
+        width = hidden.shape[-1]
+        hidden = hidden.reshape(-1, width).index_put((media_index,), media_embeds).view(batch, length, width)
+        first_key = next(s for s, b in zip(self._split(states), self.blocks) if isinstance(b, Lfm2AttentionBlock))[0]
+        past_len = first_key.shape[2]
+        steps = torch.arange(length, device=input_ids.device)
+        freqs = (steps + past_len).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        causal = torch.where(steps[None, :] <= steps[:, None], 0.0, torch.finfo(torch.float32).min)
+        new_states = []
+        for layer, block, past in zip(self.lm.layers, self.blocks, self._split(states)):
+            normed = _rms_norm(hidden, layer.operator_norm.weight, self.eps)
+            if isinstance(block, Lfm2AttentionBlock):
+                out, key, value = block(normed, cos, sin, causal, *past)
+                new_states += [key, value]
+            else:
+                out, window = block(normed, *past)
+                new_states.append(window)
+            hidden = hidden + out
+            ff = layer.feed_forward
+            normed = _rms_norm(hidden, layer.ffn_norm.weight, self.eps)
+            hidden = hidden + ff.w2(F.silu(ff.w1(normed)) * ff.w3(normed))
+        last = hidden[torch.arange(batch, device=hidden.device), last_index]
+        last = _rms_norm(last, self.lm.embedding_norm.weight, self.eps)
+        logits = last @ self.lm_head_weight.t()
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return (logprobs[:, label_ids], torch.argmax(logits, dim=-1), *new_states)
+
+    def _split(self, states):
+        """The flat state tuple regrouped per layer: (key, value) for attention layers, (conv,) for conv layers."""
+        grouped, i = [], 0
+        for block in self.blocks:
+            take = 2 if isinstance(block, Lfm2AttentionBlock) else 1
+            grouped.append(tuple(states[i:i + take]))
+            i += take
+        return grouped
