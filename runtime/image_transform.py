@@ -1,12 +1,15 @@
-"""Image preprocessing in plain numpy, as vLLM runs it through transformers' torchvision backend (spec 4.9).
+"""Image preprocessing in plain numpy, as vLLM runs it through transformers' torchvision backend (spec 3.8, 4.9).
 
-The resize is torchvision's antialiased bicubic on uint8 tensors (its CPU kernel, ported from Pillow but with
-int16 weights of per-axis precision): separable, horizontal pass first, each pass rounded and clipped to uint8.
+The resizes are torchvision's antialiased bicubic (spec 4.9) and bilinear (spec 3.8) on uint8 tensors (torch's CPU
+kernel, ported from Pillow but with int16 weights of per-axis precision): separable, horizontal pass first, each
+pass rounded and clipped to uint8; an axis whose size does not change is not resampled.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,18 +24,37 @@ def _cubic(x: np.ndarray) -> np.ndarray:
     return np.where(x < 1, near, np.where(x < 2, far, 0.0))
 
 
-def _int16_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _triangle(x: np.ndarray) -> np.ndarray:
+    x = np.abs(x)
+    return np.where(x < 1, 1.0 - x, 0.0)
+
+
+@dataclass(frozen=True)
+class _Filter:
+    """An antialias filter: its kernel and its support radius at scale 1 (widened by the scale when shrinking)."""
+
+    kernel: Callable[[np.ndarray], np.ndarray]
+    radius: float
+
+
+BICUBIC = _Filter(_cubic, 2.0)
+BILINEAR = _Filter(_triangle, 1.0)
+
+
+def _int16_taps(in_size: int, out_size: int, filt: _Filter = BICUBIC) -> tuple[np.ndarray, np.ndarray, int]:
     """Per output pixel: input indices [out, K], int weights [out, K] and their precision in bits, as
     torchvision's uint8 kernel computes them (Pillow's filter support, weights scaled to fit int16)."""
     scale = in_size / out_size
-    support = 2.0 * scale if scale >= 1.0 else 2.0
+    support = filt.radius * scale if scale >= 1.0 else filt.radius
     inv_scale = 1.0 / scale if scale >= 1.0 else 1.0
+    max_taps = int(math.ceil(support)) * 2 + 1
     bounds, rows = [], []
     for i in range(out_size):
         center = scale * (i + 0.5)
         lo = max(int(center - support + 0.5), 0)
         hi = min(int(center + support + 0.5), in_size)
-        taps = _cubic((np.arange(lo, hi) - center + 0.5) * inv_scale)
+        hi = min(hi, lo + max_taps)  # torch clips the rare extra tap that rounding can add
+        taps = filt.kernel((np.arange(lo, hi) - center + 0.5) * inv_scale)
         total = taps.sum()
         bounds.append(lo)
         rows.append(taps / total if total != 0 else taps)
@@ -49,10 +71,10 @@ def _int16_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, in
     return index, np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5)), precision
 
 
-def _resample_axis(image: np.ndarray, out_size: int, axis: int) -> np.ndarray:
+def _resample_axis(image: np.ndarray, out_size: int, axis: int, filt: _Filter = BICUBIC) -> np.ndarray:
     """One pass along `axis`: integer taps summed exactly (in float64: every partial sum is an integer below
     2^53), then rounded, shifted and clipped to uint8 like the C kernel."""
-    index, weights, precision = _int16_taps(image.shape[axis], out_size)
+    index, weights, precision = _int16_taps(image.shape[axis], out_size, filt)
     source = np.moveaxis(image, axis, 0)
     out = np.empty((out_size, *source.shape[1:]), dtype=np.uint8)
     extra = (slice(None),) + (None,) * (source.ndim - 1)
@@ -68,13 +90,25 @@ def _resample_axis(image: np.ndarray, out_size: int, axis: int) -> np.ndarray:
     return np.moveaxis(out, 0, axis)
 
 
-def resize_bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Antialiased bicubic resize of an [H, W, C] uint8 image, horizontal pass first (torchvision uint8 CPU)."""
+def _resize(image: np.ndarray, height: int, width: int, filt: _Filter) -> np.ndarray:
     if image.shape[1] != width:
-        image = _resample_axis(image, width, axis=1)
+        image = _resample_axis(image, width, axis=1, filt=filt)
     if image.shape[0] != height:
-        image = _resample_axis(image, height, axis=0)
+        image = _resample_axis(image, height, axis=0, filt=filt)
     return image
+
+
+def resize_bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Antialiased bicubic resize of an [H, W, C] uint8 image, horizontal pass first (torchvision uint8 CPU,
+    spec 4.9)."""
+    return _resize(image, height, width, BICUBIC)
+
+
+def resize_bilinear(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Antialiased bilinear resize of an [H, W, C] uint8 image (triangle filter, support 1 widened by the scale
+    when shrinking), horizontal pass first: torchvision's `resize(..., BILINEAR, antialias=True)` on uint8 CPU
+    tensors (spec 3.8 step 3)."""
+    return _resize(image, height, width, BILINEAR)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
