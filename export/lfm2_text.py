@@ -88,12 +88,12 @@ class Lfm2ConvBlock(nn.Module):
 class D1TextGraph(nn.Module):
     """LFM2 decoder (weights shared with transformers' `Lfm2Model`) + tied LM head log-softmax at the last token."""
 
-    def __init__(self, language_model, lm_head_weight: torch.Tensor):
+    def __init__(self, language_model, lm_head: nn.Linear):
         super().__init__()
         self.lm = language_model
+        self.lm_head = lm_head  # tied to embed_tokens in LFM2: the graph then holds the table once
         config = language_model.config
         self.eps = config.norm_eps
-        self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
         self.register_buffer("inv_freq", language_model.rotary_emb.inv_freq.detach().clone(), persistent=False)
         self.blocks = nn.ModuleList(
             Lfm2AttentionBlock(layer.self_attn, self.eps) if layer.is_attention_layer else Lfm2ConvBlock(layer.conv)
@@ -126,7 +126,7 @@ class D1TextGraph(nn.Module):
             hidden = hidden + ff.w2(F.silu(ff.w1(normed)) * ff.w3(normed))
         last = hidden[torch.arange(batch, device=hidden.device), last_index]
         last = _rms_norm(last, self.lm.embedding_norm.weight, self.eps)
-        logits = last @ self.lm_head_weight.t()
+        logits = self.lm_head(last)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         return (logprobs[:, label_ids], torch.argmax(logits, dim=-1), *new_states)
 

@@ -159,13 +159,10 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
                       prob_atol: float = DEFAULT_PROB_ATOL, lengths: Sequence[int] = PARITY_LENGTHS,
                       overwrite: bool = False, seed: int = 0) -> Path:
     """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`."""
-    import onnx
     import torch
 
-    from ..runtime.session import GraphSession
-    from ..runtime.text_batch import CodeLogitsRunner, Media, text_positions
-    from .d3 import (TEXT_AXES, TEXT_INPUTS, TEXT_OUTPUTS, VISION_AXES, VISION_INPUTS, VISION_OUTPUTS, D3ExportConfig,
-                     is_d3_checkpoint)
+    from .d1 import D1ExportConfig, is_d1_checkpoint
+    from .d3 import D3ExportConfig, is_d3_checkpoint
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -173,59 +170,25 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
     progress = Progress(6)
     progress(f"resolving checkpoint {source}")
     checkpoint = resolve_checkpoint(source, revision)
-    if not is_d3_checkpoint(checkpoint):
+    if is_d1_checkpoint(checkpoint):
+        from .d1_export import export_d1_graphs
+
+        config_class, export_graphs = D1ExportConfig, export_d1_graphs
+    elif is_d3_checkpoint(checkpoint):
+        config_class, export_graphs = D3ExportConfig, _export_d3_graphs
+    else:
         raise ValueError(f"{checkpoint} is not a d3 checkpoint (config.json architectures == ['Qwen3_5Model'] "
-                         "and a decision_config.json, spec 4.1)")
+                         "and a decision_config.json, spec 4.1) nor a d1 one (architectures == "
+                         "['Lfm2VlForConditionalGeneration'], spec 3)")
     progress("loading the torch reference model (fp32)")
-    config = D3ExportConfig(checkpoint)
+    config = config_class(checkpoint)
     torch.manual_seed(seed)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        progress("exporting the text and vision graphs with torch.onnx (dynamo, opset 18); this is the long step")
-        runtime_bits = config.write_runtime_files(staging)
-        (staging / "runtime_files.json").write_text(json.dumps(runtime_bits))
-        # One named dimension ties media_embeds and media_index together; batch and sequence stay DYNAMIC
-        # (named dims would make export prove guards on the chunk arithmetic that it cannot).
-        dims = {"batch": torch.export.Dim.DYNAMIC, "sequence": torch.export.Dim.DYNAMIC,
-                "media": torch.export.Dim("media", max=1 << 24)}
-        dynamic_shapes = {name: {axis: dims[role] for axis, role in axes.items()} for name, axes in TEXT_AXES.items()}
-        graph_path = staging / "text.onnx"
-        with torch.no_grad():
-            torch.onnx.export(config.graph(), config.example_inputs(), str(graph_path), dynamo=True,
-                              opset_version=OPSET, external_data=True, input_names=TEXT_INPUTS,
-                              output_names=TEXT_OUTPUTS, dynamic_shapes=dynamic_shapes, verbose=False)
-        onnx.checker.check_model(str(graph_path))
-        vision_path = staging / "vision.onnx"
-        with torch.no_grad():
-            torch.onnx.export(config.vision_graph(), config.vision_example_inputs(), str(vision_path), dynamo=True,
-                              opset_version=OPSET, external_data=True, input_names=VISION_INPUTS,
-                              output_names=VISION_OUTPUTS, verbose=False,
-                              dynamic_shapes={name: {0: torch.export.Dim.DYNAMIC} for name in VISION_INPUTS})
-        onnx.checker.check_model(str(vision_path))
-        progress("checking that batch, sequence and patch axes are symbolic")
-        shapes = symbolic_axes(graph_path, TEXT_AXES)
-        vision_shapes = symbolic_axes(vision_path, VISION_AXES)
-        progress(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts")
-        runner = CodeLogitsRunner(GraphSession(graph_path, "cpu"), hidden=int(config.text_config.hidden_size))
-        prompts = _sample_prompts(staging, lengths, seed)
-        rng = np.random.default_rng(seed)
-        media_ids = prompts[-1][1]
-        media = Media(rng.standard_normal((6, config.text_config.hidden_size)).astype(np.float32),
-                      np.arange(20, 26, dtype=np.int64))
-
-        def reference(ids: list[int], media: Media | None = None) -> np.ndarray:
-            if media is None:
-                return config.reference_logits(ids, text_positions(len(ids)))
-            return config.reference_logits(ids, text_positions(len(ids)), media.embeds, media.positions)
-
-        parity = check_parity(lambda batch, media=None: runner.run(batch, media=media), reference, prompts,
-                              config.decision_config.temperature, atol, prob_atol,
-                              media_samples=[("media-embeds", media_ids, media)])
-        vision_parity = check_vision_parity(GraphSession(vision_path, "cpu"), config, atol)
+        bits = export_graphs(config, staging, progress, atol=atol, prob_atol=prob_atol, lengths=lengths, seed=seed)
         progress("writing the artifact")
-        (staging / "runtime_files.json").unlink()
         manifest = {
             "format": ARTIFACT_FORMAT,
             "format_version": ARTIFACT_VERSION,
@@ -233,23 +196,10 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
             "source": source,
             "checkpoint": str(checkpoint),
             "source_files": file_hashes(checkpoint),
-            "attention_mode": config.attention_mode,
             "max_model_len": config.max_model_len,
-            "num_attention_heads": int(config.text_config.num_attention_heads),
-            "hidden_size": int(config.text_config.hidden_size),
             "opset": OPSET,
-            "graphs": {"text": {"file": graph_path.name, "inputs": shapes, "outputs": TEXT_OUTPUTS,
-                                "dtype": "float32"},
-                       "vision": {"file": vision_path.name, "inputs": vision_shapes, "outputs": VISION_OUTPUTS,
-                                  "dtype": "float32", "parity": vision_parity}},
-            "vision": {**runtime_bits.pop("image_processor"),
-                       "patch_size": config.vision_config.patch_size,
-                       "temporal_patch_size": config.vision_config.temporal_patch_size,
-                       "merge_size": config.vision_config.spatial_merge_size,
-                       "position_grid_side": int(config.model.visual.num_grid_per_side)},
-            **runtime_bits,
+            **bits,
             "versions": _versions(),
-            "parity": parity,
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
@@ -260,6 +210,77 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-    print(f"artifact written to {out} (parity: max |logit diff| {parity['max_abs_logit_diff']:.2e}, "
-          f"max |prob diff| {parity['max_abs_prob_diff']:.2e})", file=sys.stderr)
+    parity = manifest["parity"]
+    print(f"artifact written to {out} (parity: {parity['summary']})", file=sys.stderr)
     return out
+
+
+def _export_d3_graphs(config, staging: Path, progress: Progress, *, atol: float, prob_atol: float,
+                      lengths: Sequence[int], seed: int) -> dict[str, Any]:
+    """d3: the text graph (backbone + readout) and the vision graph, each checked against the torch model."""
+    import onnx
+    import torch
+
+    from ..runtime.session import GraphSession
+    from ..runtime.text_batch import CodeLogitsRunner, Media, text_positions
+    from .d3 import TEXT_AXES, TEXT_INPUTS, TEXT_OUTPUTS, VISION_AXES, VISION_INPUTS, VISION_OUTPUTS
+
+    progress("exporting the text and vision graphs with torch.onnx (dynamo, opset 18); this is the long step")
+    runtime_bits = config.write_runtime_files(staging)
+    (staging / "runtime_files.json").write_text(json.dumps(runtime_bits))
+    # One named dimension ties media_embeds and media_index together; batch and sequence stay DYNAMIC
+    # (named dims would make export prove guards on the chunk arithmetic that it cannot).
+    dims = {"batch": torch.export.Dim.DYNAMIC, "sequence": torch.export.Dim.DYNAMIC,
+            "media": torch.export.Dim("media", max=1 << 24)}
+    dynamic_shapes = {name: {axis: dims[role] for axis, role in axes.items()} for name, axes in TEXT_AXES.items()}
+    graph_path = staging / "text.onnx"
+    with torch.no_grad():
+        torch.onnx.export(config.graph(), config.example_inputs(), str(graph_path), dynamo=True,
+                          opset_version=OPSET, external_data=True, input_names=TEXT_INPUTS,
+                          output_names=TEXT_OUTPUTS, dynamic_shapes=dynamic_shapes, verbose=False)
+    onnx.checker.check_model(str(graph_path))
+    vision_path = staging / "vision.onnx"
+    with torch.no_grad():
+        torch.onnx.export(config.vision_graph(), config.vision_example_inputs(), str(vision_path), dynamo=True,
+                          opset_version=OPSET, external_data=True, input_names=VISION_INPUTS,
+                          output_names=VISION_OUTPUTS, verbose=False,
+                          dynamic_shapes={name: {0: torch.export.Dim.DYNAMIC} for name in VISION_INPUTS})
+    onnx.checker.check_model(str(vision_path))
+    progress("checking that batch, sequence and patch axes are symbolic")
+    shapes = symbolic_axes(graph_path, TEXT_AXES)
+    vision_shapes = symbolic_axes(vision_path, VISION_AXES)
+    progress(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts")
+    runner = CodeLogitsRunner(GraphSession(graph_path, "cpu"), hidden=int(config.text_config.hidden_size))
+    prompts = _sample_prompts(staging, lengths, seed)
+    rng = np.random.default_rng(seed)
+    media_ids = prompts[-1][1]
+    media = Media(rng.standard_normal((6, config.text_config.hidden_size)).astype(np.float32),
+                  np.arange(20, 26, dtype=np.int64))
+
+    def reference(ids: list[int], media: Media | None = None) -> np.ndarray:
+        if media is None:
+            return config.reference_logits(ids, text_positions(len(ids)))
+        return config.reference_logits(ids, text_positions(len(ids)), media.embeds, media.positions)
+
+    parity = check_parity(lambda batch, media=None: runner.run(batch, media=media), reference, prompts,
+                          config.decision_config.temperature, atol, prob_atol,
+                          media_samples=[("media-embeds", media_ids, media)])
+    parity["summary"] = (f"max |logit diff| {parity['max_abs_logit_diff']:.2e}, "
+                         f"max |prob diff| {parity['max_abs_prob_diff']:.2e}")
+    vision_parity = check_vision_parity(GraphSession(vision_path, "cpu"), config, atol)
+    (staging / "runtime_files.json").unlink()
+    return {
+        "attention_mode": config.attention_mode,
+        "num_attention_heads": int(config.text_config.num_attention_heads),
+        "hidden_size": int(config.text_config.hidden_size),
+        "graphs": {"text": {"file": graph_path.name, "inputs": shapes, "outputs": TEXT_OUTPUTS, "dtype": "float32"},
+                   "vision": {"file": vision_path.name, "inputs": vision_shapes, "outputs": VISION_OUTPUTS,
+                              "dtype": "float32", "parity": vision_parity}},
+        "vision": {**runtime_bits.pop("image_processor"),
+                   "patch_size": config.vision_config.patch_size,
+                   "temporal_patch_size": config.vision_config.temporal_patch_size,
+                   "merge_size": config.vision_config.spatial_merge_size,
+                   "position_grid_side": int(config.model.visual.num_grid_per_side)},
+        **runtime_bits,
+        "parity": parity,
+    }

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..models.d1 import D1Family
 from ..models.d3 import D3Family, DecisionConfig
 from ..models.family import Family
 from .chat_template import ChatTemplate
@@ -54,9 +55,13 @@ class Artifact:
         if manifest.get("format") != ARTIFACT_FORMAT or manifest.get("format_version") != ARTIFACT_VERSION:
             raise ArtifactError(f"{path}: not a {ARTIFACT_FORMAT} version {ARTIFACT_VERSION} manifest")
         family_name = manifest.get("family")
-        if family_name != "d3":
+        family: Family
+        if family_name == "d3":
+            family = D3Family(DecisionConfig.load(root / "decision_config.json"))
+        elif family_name == "d1":
+            family = D1Family()
+        else:
             raise ArtifactError(f"{path}: unknown model family {family_name!r}")
-        family = D3Family(DecisionConfig.load(root / "decision_config.json"))
         template = ChatTemplate((root / "chat_template.jinja").read_text(encoding="utf-8"),
                                 manifest.get("special_tokens", {}))
         return cls(root, manifest, family, PromptTokenizer(root / "tokenizer.json"), template)

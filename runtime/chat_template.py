@@ -43,9 +43,9 @@ class ChatTemplate:
         self._special_tokens = dict(special_tokens or {})
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        variables = {"tools": None, "documents": None, **self._special_tokens, **kwargs, "messages": messages,
+                     "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **{**self._special_tokens, **kwargs})
+            return self._template.render(variables)
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc

@@ -29,3 +29,11 @@ class PromptTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def added_ids(self) -> set[int]:
+        """Ids of the added vocabulary (special and added tokens)."""
+        return set(self._tokenizer.get_added_tokens_decoder())
+
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (vLLM's bound on prompt characters per token, spec 3.9)."""
+        return max(len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True))

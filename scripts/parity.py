@@ -137,7 +137,7 @@ def main() -> None:
         if args.device == "cuda":
             reference.model.to("cuda")
         result = compare(service, reference, parity_requests(args.requests))
-        result.update(provider=service.session.provider,
+        result.update(provider=service.provider,
                       export_parity=json.loads((artifact / "manifest.json").read_text())["parity"]["max_abs_prob_diff"])
         if args.time:
             result["timing"] = time_request(service, reference, sixteen_questions())

@@ -86,7 +86,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             return unauthorized(exc)
         names = service.served_model_names
         description = (f"{service.family.name} decision model ({service.artifact.source}) on onnxruntime "
-                       f"{service.session.provider}")
+                       f"{service.provider}")
         return JSONResponse({
             "object": "list",
             "data": [{"id": name, "object": "model", "created": started, "owned_by": "systemone-onnx",

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random d3 checkpoints in the released on-disk format, exported once per test run."""
+"""Shared fixtures: tiny random d1 and d3 checkpoints in the released on-disk formats, exported once per test run."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.build_d1_checkpoint import build_d1_checkpoint
 from scripts.build_d3_checkpoint import build_d3_checkpoint
 from systemone.export.pipeline import export_checkpoint
 from systemone.runtime.artifact import Artifact
@@ -43,3 +44,26 @@ def reference_tokenizer(d3_checkpoint):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(d3_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def d1_checkpoint(tmp_path_factory) -> Path:
+    return build_d1_checkpoint(tmp_path_factory.mktemp("ckpt") / "d1-tiny")
+
+
+@pytest.fixture(scope="session")
+def d1_artifact(d1_checkpoint, tmp_path_factory) -> Path:
+    return export_checkpoint(str(d1_checkpoint), tmp_path_factory.mktemp("art") / "d1-tiny")
+
+
+@pytest.fixture(scope="session")
+def d1_service(d1_artifact) -> DecisionService:
+    return DecisionService(Artifact.load(d1_artifact), device="cpu", served_model_names=["LiquidAI/d1-tiny"])
+
+
+@pytest.fixture(scope="session")
+def d1_reference_tokenizer(d1_checkpoint):
+    """What vLLM renders and tokenizes d1 prompts with: transformers' AutoTokenizer on the checkpoint (spec 3.4)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(d1_checkpoint)

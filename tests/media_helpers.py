@@ -121,3 +121,12 @@ def write_video(path, frames: int, fps: float, width: int, height: int) -> bytes
         writer.write(np.ascontiguousarray(frame[..., ::-1]))
     writer.release()
     return path.read_bytes()
+
+
+def gradient_png(width: int, height: int, seed: int = 0) -> bytes:
+    """A deterministic RGB gradient with a little noise, PNG-encoded (resizes of it show every filter detail)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), (x + y) % 256], axis=-1)
+    rgb = np.clip(rgb + rng.integers(-6, 7, rgb.shape), 0, 255).astype(np.uint8)
+    return encoded(Image.fromarray(rgb), "PNG")

@@ -109,17 +109,17 @@ def test_one_fetch_and_one_vision_pass_per_media(d3_artifact, tmp_path):
         body = {"state": "x", "images": [f"{server.url}/a.png", f"{server.url}/b.png"],
                 "videos": [f"{server.url}/v.mp4"],
                 "questions": {f"q{i}": QUESTIONS[i % len(QUESTIONS)] for i in range(8)}}
-        before = service.vision_session.runs
+        before = service.engine.vision_session.runs
         response = service.decide(body)
         assert len(response["answers"]) == 8
         assert dict(server.gets) == {"a.png": 1, "b.png": 1, "v.mp4": 1}
-        assert service.vision_session.runs - before == 2 + 2
+        assert service.engine.vision_session.runs - before == 2 + 2
         # The same URL twice in one request: one fetch, one vision pass, rows for both placeholders.
         twice = {"state": "x", "images": [f"{server.url}/a.png", f"{server.url}/a.png"],
                  "questions": {"q": QUESTIONS[0]}}
-        before = service.vision_session.runs
+        before = service.engine.vision_session.runs
         (prompt,) = service.render(twice)
-    assert server.gets["a.png"] == 2 and service.vision_session.runs - before == 1
+    assert server.gets["a.png"] == 2 and service.engine.vision_session.runs - before == 1
     assert prompt.token_ids.count(service.artifact.tokenizer.token_id("<|image_pad|>")) == 2 * 300
 
 

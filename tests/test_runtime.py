@@ -93,7 +93,7 @@ def test_attention_memory_bounds_the_prompt_length(d3_artifact):
     heads = 4  # the tiny checkpoint's attention heads
     service = DecisionService(Artifact.load(d3_artifact), "cpu", attention_budget=attention_bytes(3, 120, heads))
     assert service.max_model_len == int(3**0.5 * 120)
-    assert service.runner.batches([120, 120, 120, 120]) == [[0, 1, 2], [3]]
+    assert service.engine.runner.batches([120, 120, 120, 120]) == [[0, 1, 2], [3]]
     assert service.decide({"state": "short", "questions": {"q": {"type": "noul"}}})["usage"]["input_tokens"] < 120
     with pytest.raises(DecisionError, match=r"more than max_model_len=207; nothing is truncated"):
         service.decide({"state": "word " * 300, "questions": {"q": {"type": "noul"}}})

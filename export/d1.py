@@ -1,0 +1,218 @@
+"""Export config of family d1: an `Lfm2VlForConditionalGeneration` checkpoint (LiquidAI/d1-3B, spec 3).
+
+Like an optimum export config, it knows the architecture's reference model (transformers' LFM2-VL, read as the
+full-vocabulary log-softmax at the last prompt token, spec 3.7), the exportable graphs, their inputs and dynamic
+axes, and the files the runtime needs (tokenizer as transformers loads it, the processor's chat template and image
+settings, the vision position table).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..runtime.lfm2_cells import unshuffle_order
+from ..runtime.lfm2_image import Lfm2ImageConfig
+from .lfm2_text import D1TextGraph
+from .lfm2_vision import D1VisionGraph
+
+ARCHITECTURE = "Lfm2VlForConditionalGeneration"
+TEXT_INPUTS = ["input_ids", "media_embeds", "media_index", "last_index", "label_ids"]
+TEXT_OUTPUTS = ["label_logprobs", "argmax"]
+TEXT_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "media_embeds": {0: "media"}, "media_index": {0: "media"},
+             "last_index": {0: "batch"}, "label_ids": {0: "labels"}}
+VISION_INPUTS = ["patches", "positions"]
+VISION_OUTPUTS = ["media_embeds"]
+VISION_AXES = {"patches": {0: "crops", 1: "patches"}, "positions": {0: "patches"}}
+# Crop grids (patches high, wide) the vision graph is checked on: a 512 tile, the smallest thumbnail, a thin strip,
+# odd cells and a tall crop.
+VISION_PARITY_GRIDS = ((32, 32), (16, 16), (4, 206), (26, 44), (48, 22))
+
+
+def is_d1_checkpoint(root: Path) -> bool:
+    """An LFM2-VL checkpoint (`architectures == ["Lfm2VlForConditionalGeneration"]`)."""
+    config = root / "config.json"
+    if not config.is_file():
+        return False
+    return json.loads(config.read_text(encoding="utf-8")).get("architectures") == [ARCHITECTURE]
+
+
+def state_names(layer_types: list[str], prefix: str) -> list[str]:
+    """Per decoder layer in order: `{prefix}_key_i`, `{prefix}_value_i` (attention) or `{prefix}_conv_i` (conv)."""
+    names = []
+    for i, kind in enumerate(layer_types):
+        names += [f"{prefix}_key_{i}", f"{prefix}_value_{i}"] if kind == "full_attention" else [f"{prefix}_conv_{i}"]
+    return names
+
+
+def processor_settings(checkpoint: Path) -> tuple[dict[str, Any], str | None]:
+    """The image processor settings and chat template of the checkpoint's processor (spec 3.3, 3.8): from
+    `processor_config.json` (transformers 5) or `preprocessor_config.json`."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = checkpoint / name
+        if path.is_file():
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            template = raw.get("chat_template")
+            return raw.get("image_processor", raw), template if isinstance(template, str) else None
+    raise ValueError(f"{checkpoint} has no processor_config.json or preprocessor_config.json; d1 images need the "
+                     "LFM2-VL image processor settings")
+
+
+class D1ExportConfig:
+    family = "d1"
+
+    def __init__(self, checkpoint: Path):
+        from transformers import AutoConfig, Lfm2VlForConditionalGeneration
+
+        self.checkpoint = checkpoint
+        self.config = AutoConfig.from_pretrained(checkpoint)
+        self.text_config = self.config.text_config
+        self.model = Lfm2VlForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32,
+                                                                    attn_implementation="eager").eval()
+        raw, _ = processor_settings(checkpoint)
+        self.image_config = Lfm2ImageConfig.from_processor_config(raw)
+        vision = self.config.vision_config
+        if self.image_config.encoder_patch_size != vision.patch_size:
+            raise ValueError(f"processor encoder_patch_size {self.image_config.encoder_patch_size} != vision tower "
+                             f"patch_size {vision.patch_size}")
+        if self.image_config.downsample_factor != self.config.downsample_factor:
+            raise ValueError(f"processor downsample_factor {self.image_config.downsample_factor} != model "
+                             f"downsample_factor {self.config.downsample_factor}")
+
+    @property
+    def layer_types(self) -> list[str]:
+        return list(self.text_config.layer_types)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.text_config.max_position_embeddings)
+
+    @property
+    def head_dim(self) -> int:
+        return self.text_config.hidden_size // self.text_config.num_attention_heads
+
+    # -- graphs ----------------------------------------------------------------------------------------------
+    def graph(self) -> D1TextGraph:
+        return D1TextGraph(self.model.model.language_model, self.model.lm_head).eval()
+
+    def state_shapes(self, past: int) -> list[tuple[int, ...]]:
+        """Shapes of the past state inputs (batch 1) after a prefix of `past` tokens, in input order."""
+        t = self.text_config
+        shapes: list[tuple[int, ...]] = []
+        for kind in self.layer_types:
+            if kind == "full_attention":
+                shapes += [(1, t.num_key_value_heads, past, self.head_dim)] * 2
+            else:
+                shapes.append((1, t.hidden_size, t.conv_L_cache - 1))
+        return shapes
+
+    def example_inputs(self) -> tuple[Any, ...]:
+        # Distinct batch, length, past, media and label sizes, none 0 or 1, so that no axis is specialised.
+        batch, length, past = 2, 37, 23
+        ids = torch.randint(0, 1000, (batch, length))
+        media_index = torch.tensor([3, 4, 5, length + 3])
+        media = torch.randn(len(media_index), self.text_config.hidden_size)
+        last = torch.tensor([length - 1, 20])
+        labels = torch.tensor([542, 835, 12184, 2744, 534])
+        states = tuple(torch.randn(*shape) for shape in self.state_shapes(past))
+        return ids, media, media_index, last, labels, states
+
+    def dynamic_shapes(self) -> dict[str, Any]:
+        dims = {"batch": torch.export.Dim.DYNAMIC, "sequence": torch.export.Dim.DYNAMIC,
+                "media": torch.export.Dim("media", max=1 << 24), "labels": torch.export.Dim.DYNAMIC}
+        shapes: dict[str, Any] = {name: {axis: dims[role] for axis, role in axes.items()}
+                                  for name, axes in TEXT_AXES.items()}
+        past = torch.export.Dim("past", max=1 << 24)  # one length for every layer's keys and values
+        shapes["states"] = tuple({2: past} if kind == "full_attention" else None
+                                 for kind in self.layer_types for _ in range(2 if kind == "full_attention" else 1))
+        return shapes
+
+    def vision_graph(self) -> D1VisionGraph:
+        return D1VisionGraph(self.model.model.vision_tower, self.model.model.multi_modal_projector,
+                             self.config.downsample_factor).eval()
+
+    def vision_example_inputs(self) -> tuple[torch.Tensor, ...]:
+        h, w = 6, 10
+        return torch.randn(3, h * w, self.patch_width), torch.randn(h * w, self.config.vision_config.hidden_size)
+
+    @property
+    def patch_width(self) -> int:
+        vision = self.config.vision_config
+        return vision.num_channels * vision.patch_size**2
+
+    @property
+    def position_table(self) -> np.ndarray:
+        """The vision tower's position embedding as its square [S, S, width] table."""
+        weight = self.model.model.vision_tower.embeddings.position_embedding.weight.detach().float().numpy()
+        side = int(round(weight.shape[0] ** 0.5))
+        return weight.reshape(side, side, -1)
+
+    # -- references (the torch model) ------------------------------------------------------------------------
+    @torch.no_grad()
+    def reference_logprobs(self, token_ids: list[int], media_embeds: np.ndarray | None = None,
+                           media_positions: np.ndarray | None = None, pixels: dict[str, Any] | None = None
+                           ) -> np.ndarray:
+        """The whole torch model on one unpadded prompt: log_softmax (float32) of the logits at its last token over
+        the full vocabulary (spec 3.7). Media rows, when given, replace the token embeddings at `media_positions`;
+        `pixels` (pixel_values, spatial_shapes, pixel_attention_mask) runs LFM2-VL's own vision path instead."""
+        ids = torch.tensor([token_ids])
+        if pixels is not None:
+            out = self.model(input_ids=ids, **{k: torch.as_tensor(v) for k, v in pixels.items()})
+        else:
+            embeds = self.model.get_input_embeddings()(ids)
+            if media_embeds is not None:
+                embeds[0, torch.from_numpy(media_positions)] = torch.from_numpy(media_embeds)
+            out = self.model(inputs_embeds=embeds)
+        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).numpy()
+
+    @torch.no_grad()
+    def reference_vision(self, patches: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+        """LFM2-VL's image features of one crop (tower + unshuffle + projector), rows in cell order."""
+        h, w = grid
+        feats = self.model.model.get_image_features(
+            pixel_values=torch.from_numpy(patches)[None], spatial_shapes=torch.tensor([[h, w]]),
+            pixel_attention_mask=torch.ones(1, h * w, dtype=torch.int32))
+        return feats.pooler_output[0].float().numpy()
+
+    @torch.no_grad()
+    def reference_positions(self, grid: tuple[int, int]) -> np.ndarray:
+        """SigLIP2's own resize of the position table to `grid` ([h*w, width], row-major)."""
+        table = torch.from_numpy(self.position_table)
+        embeddings = self.model.model.vision_tower.embeddings
+        out = embeddings.resize_positional_embeddings(table, torch.tensor([list(grid)]), max_length=grid[0] * grid[1])
+        return out[0].numpy()
+
+    def vision_feeds(self, patches: np.ndarray, grid: tuple[int, int]) -> dict[str, np.ndarray]:
+        order = unshuffle_order(*grid, self.config.downsample_factor)
+        return {"patches": patches[order][None], "positions": self.reference_positions(grid)[order]}
+
+    # -- runtime files ---------------------------------------------------------------------------------------
+    def write_runtime_files(self, out: Path) -> dict[str, Any]:
+        """Tokenizer (as transformers loads it for lfm2_vl: tokenizer.json as is, spec 3.4), the processor's chat
+        template (spec 3.3: the processor's, else the tokenizer's), the vision position table. Returns what the
+        manifest records."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+        tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+        _, template = processor_settings(self.checkpoint)
+        template = template or tokenizer.chat_template
+        if not isinstance(template, str) or not template:
+            raise ValueError("the checkpoint has no chat template (processor or tokenizer); d1 renders with it")
+        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+        np.save(out / "vision_positions.npy", self.position_table)
+        return {"tokenizer_class": type(tokenizer).__name__, "special_tokens": dict(tokenizer.special_tokens_map),
+                "image_processor": self.image_config.to_dict()}
+
+    def manifest_bits(self) -> dict[str, Any]:
+        t = self.text_config
+        return {"layer_types": self.layer_types, "num_attention_heads": int(t.num_attention_heads),
+                "num_key_value_heads": int(t.num_key_value_heads), "head_dim": self.head_dim,
+                "hidden_size": int(t.hidden_size), "conv_window": int(t.conv_L_cache) - 1,
+                "vocab_size": int(t.vocab_size), "image_token_id": int(self.config.image_token_id),
+                "vision_width": int(self.config.vision_config.hidden_size),
+                "downsample_factor": int(self.config.downsample_factor)}

@@ -1,0 +1,172 @@
+"""Family d1 on onnxruntime: the Liquid prompts of a request, its shared prefix prefilled once, the questions read
+as suffixes on that snapshot (spec 3).
+
+Order of the checks, as vLLM runs them (spec 1.3 step 8): images fetched and encoded, then every question's prompt
+rendered, tokenized and checked for length (3.9) and its generation tail (3.5), then every question's label groups
+(3.6), then the reads (3.7). Each question's prompt is tokenized whole, exactly as vLLM tokenizes it; the prefix
+that all of them share (state, images, system turn) is found on the token ids, so reuse never changes a token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..models.d1 import LabelGroups
+from ..models.errors import DecisionError
+from ..models.family import Read
+from ..models.questions import LABELS, Question
+from ..models.request import DecisionRequest
+from .artifact import Artifact
+from .chat_template import ChatTemplateError
+from .d1_media import D1MediaEncoder, EncodedImages, expand_images, media_rows
+from .d1_text import D1TextRunner, StateLayout
+from .lfm2_image import Lfm2ImageConfig
+from .media_fetch import FetchPolicy
+from .prompt import RenderedPrompt
+from .session import GraphSession
+
+TAIL_MISMATCH = "these chat options end the prompt differently, so the labels' tokens are unknown"
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least its last token to read."""
+    shortest = min(len(p) for p in prompts)
+    first = np.asarray(prompts[0][:shortest])
+    length = shortest
+    for other in prompts[1:]:
+        differ = np.flatnonzero(first[:length] != np.asarray(other[:length]))
+        if len(differ):
+            length = int(differ[0])
+    return min(length, shortest - 1)
+
+
+class D1Engine:
+    def __init__(self, artifact: Artifact, device: str, max_model_len: int | None, max_batch_tokens: int,
+                 threads: int | None, attention_budget: int, fetch_policy: FetchPolicy):
+        manifest = artifact.manifest
+        self.artifact = artifact
+        self.family = artifact.family
+        self.tokenizer = artifact.tokenizer
+        # The graph reads a prefix chunk by chunk and its KV cache grows linearly: the context is the model's.
+        self.max_model_len = min(max_model_len or artifact.max_model_len, artifact.max_model_len)
+        self.session = GraphSession(artifact.graph_path("text"), device, threads)
+        layout = StateLayout(tuple(manifest["layer_types"]), int(manifest["num_key_value_heads"]),
+                             int(manifest["head_dim"]), int(manifest["num_attention_heads"]),
+                             int(manifest["hidden_size"]), int(manifest["conv_window"]))
+        self.runner = D1TextRunner(self.session, layout, max_batch_tokens, attention_budget)
+        self.vision_session = GraphSession(artifact.graph_path("vision"), device, threads)
+        vision = manifest["vision"]
+        self.media = D1MediaEncoder(self.vision_session, Lfm2ImageConfig.from_processor_config(vision),
+                                    np.load(artifact.root / vision["positions_file"]), self.tokenizer.encode,
+                                    fetch_policy)
+        self.image_token_id = int(manifest["image_token_id"])
+        self.max_chars_per_token = self.tokenizer.max_token_chars()
+        self.tail = self._generation_tail()
+        self.unsupported = self._generic_labels_problem()
+
+    # -- startup checks (spec 3.5) ---------------------------------------------------------------------------
+    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        return self.artifact.template.render(messages, **kwargs)
+
+    def _generation_tail(self) -> list[int]:
+        """The ids after the last added-vocabulary token of a probe conversation (LFM2: "assistant\\n")."""
+        probe = self._render([{"role": "user", "content": "x"}],
+                             dict(add_generation_prompt=True, enable_thinking=False))
+        ids = self.tokenizer.encode(probe)
+        added = self.tokenizer.added_ids()
+        last = max((i for i, token in enumerate(ids) if token in added), default=-1)
+        return ids[last + 1:]
+
+    def _generic_labels_problem(self) -> str | None:
+        """vLLM disables the endpoint (501) unless every generic label is one distinct token after the tail."""
+        text = self.tokenizer.decode(self.tail)
+        for labels in LABELS.values():
+            seen: set[int] = set()
+            for label in labels:
+                ids = self.tokenizer.encode(text + label)
+                if ids[:-1] != self.tail or len(ids) != len(self.tail) + 1 or ids[-1] in seen:
+                    return f"label {label!r} is not one distinct token after the generation prompt"
+                seen.add(ids[-1])
+        return None
+
+    # -- prompts (spec 3.3, 3.4, 3.8, 3.9, 3.5) --------------------------------------------------------------
+    def _check_length(self, question: Question, text: str, ids: list[int], expanded: int) -> None:
+        m = self.max_model_len
+        if len(text) > m * self.max_chars_per_token:
+            raise DecisionError(
+                f"This model's maximum context length is {m} tokens. However, your prompt contains {len(text)} "
+                f"characters (more than {m * self.max_chars_per_token} characters, which is the upper bound for {m} "
+                f"input tokens). Please reduce the length of the input prompt. (parameter=input_text, "
+                f"value={len(text)})", param="input_text")
+        if len(ids) > m:
+            n = min(len(ids), m + 1)  # vLLM's tokenizer stops at max_model_len + 1
+            at_least = "at least " if n == m + 1 else ""
+            raise DecisionError(
+                f"This model's maximum context length is {m} tokens. However, your prompt contains {at_least}{n} "
+                "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
+                f"of the input prompt. (parameter=input_tokens, value={n})", param="input_tokens")
+        if expanded > m:
+            raise DecisionError(
+                f"The decoder prompt (length {expanded}) is longer than the maximum model length of {m}. Make sure "
+                "that `max_model_len` is no smaller than the number of text tokens plus multimodal tokens. For "
+                "image inputs, the number of image tokens depends on the number of images, and possibly their "
+                "aspect ratios as well.")
+        if expanded == m:
+            raise DecisionError(
+                f"The decoder prompt (length {expanded}) plus the number of requested output tokens (at least 1) is "
+                f"longer than the maximum model length of {m}. Make sure that `max_model_len` is no smaller than "
+                "the number of text tokens (prompt + requested output tokens).")
+
+    def _prompts(self, request: DecisionRequest, questions: list[Question], run_options: Any = None
+                 ) -> tuple[list[RenderedPrompt], EncodedImages | None]:
+        images = self.media.encode(request, run_options) if request.images else None
+        state_text = self.family.render_state(request.state)
+        kwargs = self.family.template_kwargs(request)
+        texts = []
+        for question in questions:
+            try:
+                texts.append(self._render(self.family.messages(request, question, state_text), kwargs))
+            except ChatTemplateError as exc:
+                raise DecisionError(str(exc)) from exc
+        prompts = []
+        count = len(request.images or ())
+        for question, text, ids in zip(questions, texts, self.tokenizer.encode_batch(texts)):
+            found = ids.count(self.image_token_id)
+            if found != count:
+                # Spec 8 Q7: `<image>` written in the state, instructions or options would take an image's place.
+                raise DecisionError(f"question {question.id!r}: the prompt holds {found} <image> tokens for {count} "
+                                    "image(s); the state, instructions and options may not contain <image>")
+            expanded = expand_images(ids, self.image_token_id, images) if images is not None else ids
+            self._check_length(question, text, ids, len(expanded))
+            if expanded[len(expanded) - len(self.tail):] != self.tail:
+                raise DecisionError(TAIL_MISMATCH)
+            prompts.append(RenderedPrompt(question, text, expanded))
+        return prompts, images
+
+    def prompts(self, request: DecisionRequest, questions: list[Question], run_options: Any = None
+                ) -> list[RenderedPrompt]:
+        return self._prompts(request, questions, run_options)[0]
+
+    # -- reads (spec 3.6, 3.7) -------------------------------------------------------------------------------
+    def reads(self, request: DecisionRequest, questions: list[Question], run_options: Any = None,
+              reuse_prefix: bool = True) -> tuple[list[Read], list[RenderedPrompt]]:
+        """Each question's read and prompt. With `reuse_prefix` (the default) the shared prefix runs once and the
+        questions run as suffixes on its state; without, every whole prompt runs (the baseline of the benchmark)."""
+        prompts, images = self._prompts(request, questions, run_options)
+        groups: list[LabelGroups] = [self.family.label_groups(q, self.tokenizer.encode) for q in questions]
+        label_ids = sorted({i for g in groups for i in g.ids})
+        ids = [p.token_ids for p in prompts]
+        media = media_rows(ids[0], self.image_token_id, images) if images is not None else None
+        if reuse_prefix:
+            split = shared_prefix(ids)
+            if media is not None and len(media.positions) and media.positions[-1] >= split:
+                raise RuntimeError("image rows past the shared prefix")
+            snapshot = self.runner.extend(self.runner.empty(), ids[0][:split], media, run_options)
+            logprobs, argmax = self.runner.read(snapshot, [p[split:] for p in ids], label_ids, run_options)
+        else:
+            logprobs, argmax = self.runner.read_full(ids, label_ids, media, run_options)
+        reads = [self.family.read(q, g, dict(zip(label_ids, row.tolist())), int(top))
+                 for q, g, row, top in zip(questions, groups, logprobs, argmax)]
+        return reads, prompts
