@@ -159,15 +159,16 @@ class D1ExportConfig:
         """The whole torch model on one unpadded prompt: log_softmax (float32) of the logits at its last token over
         the full vocabulary (spec 3.7). Media rows, when given, replace the token embeddings at `media_positions`;
         `pixels` (pixel_values, spatial_shapes, pixel_attention_mask) runs LFM2-VL's own vision path instead."""
-        ids = torch.tensor([token_ids])
+        device = self.model.device
+        ids = torch.tensor([token_ids], device=device)
         if pixels is not None:
-            out = self.model(input_ids=ids, **{k: torch.as_tensor(v) for k, v in pixels.items()})
+            out = self.model(input_ids=ids, **{k: torch.as_tensor(v).to(device) for k, v in pixels.items()})
         else:
             embeds = self.model.get_input_embeddings()(ids)
             if media_embeds is not None:
-                embeds[0, torch.from_numpy(media_positions)] = torch.from_numpy(media_embeds)
+                embeds[0, torch.from_numpy(media_positions).to(device)] = torch.from_numpy(media_embeds).to(device)
             out = self.model(inputs_embeds=embeds)
-        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).numpy()
+        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu().numpy()
 
     @torch.no_grad()
     def reference_vision(self, patches: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
