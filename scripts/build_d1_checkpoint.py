@@ -76,7 +76,7 @@ IMAGE_PROCESSOR = {
 def config_dict(size: str) -> dict:
     shapes = SIZES[size]
     text = dict(shapes["text"], model_type="lfm2", vocab_size=65536, max_position_embeddings=128000, norm_eps=1e-5,
-                conv_L_cache=3, conv_bias=False, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0,
+                conv_L_cache=3, conv_bias=False, block_auto_adjust_ff_dim=size == "tiny", block_ffn_dim_multiplier=1.0,
                 block_multiple_of=256 if size != "tiny" else 32,
                 rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
                 tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=7, initializer_range=0.08)
