@@ -1,0 +1,69 @@
+"""Answer parity on CPU for d1 (spec 3.7, 3.8; issue: state prefix reuse): the runtime, which prefills a request's
+shared prefix once and reads the questions as suffixes on that snapshot, against transformers' LFM2-VL run on each
+question's whole prompt with its own vision tower."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scripts.d1_parity import compare, parity_requests, sixteen_questions
+from systemone.export.d1 import D1ExportConfig
+
+
+@pytest.fixture(scope="module")
+def reference(d1_checkpoint):
+    return D1ExportConfig(d1_checkpoint)
+
+
+def test_onnx_with_prefix_reuse_matches_torch_on_210_questions(d1_service, reference):
+    """>= 200 questions of all three types, a third with spec 3.8's image sizes: every pick equal, the same
+    argmax_is_label, max |dp| and max |d label_mass| <= 1e-4."""
+    report = compare(d1_service, reference, parity_requests(70))
+    assert report["questions"] >= 200 and report["questions_with_images"] >= 60
+    assert report["picks_differing"] == []
+    assert report["argmax_is_label_differing"] == []
+    assert report["max_abs_dp"] <= 1e-4, report["max_abs_dp"]
+    assert report["max_abs_d_label_mass"] <= 1e-4, report["max_abs_d_label_mass"]
+    # The random checkpoint's answers are not degenerate: picks are not all certain.
+    assert report["median_top_probability"] < 0.99
+
+
+def test_prefix_reuse_reads_what_whole_prompts_read(d1_service):
+    """Reuse changes no token and no number beyond float noise: suffix reads on the prefix snapshot equal the whole
+    prompts read from an empty state (16 questions, a long state and a 1024x1024 image)."""
+    request, questions = d1_service.validate(sixteen_questions(True))
+    reused, prompts = d1_service.engine.reads(request, questions, reuse_prefix=True)
+    whole, _ = d1_service.engine.reads(request, questions, reuse_prefix=False)
+    for a, b in zip(reused, whole):
+        assert np.abs(np.array(a.probs) - np.array(b.probs)).max() < 1e-5
+        assert abs(a.label_mass - b.label_mass) < 1e-5 * max(a.label_mass, 1e-30) + 1e-12
+        assert a.argmax_is_label == b.argmax_is_label
+
+
+def test_a_question_reads_the_same_alone_or_among_others(d1_service):
+    """Batching and padding do not leak between questions (right padding, causal attention and convolution)."""
+    body = sixteen_questions(False)
+    together = d1_service.decide(body)["answers"]
+    for qid in list(body["questions"])[:4]:
+        alone = d1_service.decide({**body, "questions": {qid: body["questions"][qid]}})["answers"][qid]
+        for key, p in alone["probabilities"].items():
+            assert abs(p - together[qid]["probabilities"][key]) < 1e-5
+
+
+def test_the_prefix_is_prefilled_in_chunks_within_the_attention_budget(d1_service):
+    """A prefix longer than one chunk of the attention budget is prefilled chunk by chunk on the growing state and
+    reads what one whole pass reads."""
+    engine = d1_service.engine
+    request, questions = d1_service.validate(sixteen_questions(False))
+    whole, _ = engine.reads(request, questions)
+    runner = engine.runner
+    budget = runner.attention_budget
+    try:
+        runner.attention_budget = 2 * 4 * runner.layout.heads * 128 * 256  # chunks of ~128 tokens after 128
+        assert runner.chunk_length(500) < 300
+        chunked, _ = engine.reads(request, questions)
+    finally:
+        runner.attention_budget = budget
+    for a, b in zip(whole, chunked):
+        assert np.abs(np.array(a.probs) - np.array(b.probs)).max() < 1e-5
