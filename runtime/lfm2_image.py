@@ -83,6 +83,12 @@ class Lfm2ImageConfig:
         min_tiles == max_tiles == 1."""
         return self.do_image_splitting and not self.min_tiles == self.max_tiles == 1
 
+    @property
+    def max_num_patches(self) -> int:
+        """The processor's patch budget per crop (it pads every crop to this many patches)."""
+        tile = (self.tile_size // self.encoder_patch_size) ** 2 if self.do_image_splitting else 0
+        return max(self.max_image_tokens * self.downsample_factor**2, tile)
+
     @classmethod
     def from_processor_config(cls, raw: dict) -> Lfm2ImageConfig:
         """Read a checkpoint's processor_config.json / preprocessor_config.json content (the image-processor keys
@@ -250,6 +256,12 @@ def lfm2_image(rgb: np.ndarray, config: Lfm2ImageConfig) -> Lfm2Image:
     if height < 1 or width < 1:
         raise ValueError(f"rgb: empty image {height}x{width}")
     new_height, new_width = smart_size(height, width, config)
+    patches = (new_height // config.encoder_patch_size) * (new_width // config.encoder_patch_size)
+    if patches > config.max_num_patches:
+        # A very thin image keeps its aspect at the minimum side: more patches than the processor pads a crop to,
+        # which transformers' LFM2-VL cannot run either.
+        raise ValueError(f"a {width}x{height} image resizes to {new_width}x{new_height}, {patches} patches, more "
+                         f"than max_num_patches={config.max_num_patches}")
     thumbnail_tokens = _tokens(new_height, new_width, config)
     if not (config.splits and _too_large(height, width, config)):
         crop = _crop(resize_bilinear(rgb, new_height, new_width), config)
