@@ -58,6 +58,11 @@ class MediaRows:
     positions: np.ndarray  # [M] int64
 
 
+# A row shorter than this fraction of its batch's longest starts a new batch: padded positions cost as much as
+# real ones, and the questions' suffixes differ a lot in length (a 26-option choice against a yes/no).
+MIN_FILL = 0.75
+
+
 def attention_bytes(batch: int, length: int, past: int, heads: int) -> int:
     """Memory of one attention layer's scores and probabilities (float32) for a batch of `length` new tokens."""
     return 2 * 4 * heads * batch * length * (past + length)
@@ -134,8 +139,9 @@ class D1TextRunner:
     def read(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
              run_options=None) -> tuple[np.ndarray, np.ndarray]:
         """Each suffix read on the snapshot: log-probabilities [len(suffixes), K] at `label_ids` and the greedy
-        token [len(suffixes)] at each suffix's last token. Suffixes run in padded batches within the budgets; one
-        too long for a batch of its own is prefilled (all but its last chunk) on a copy of the snapshot first."""
+        token [len(suffixes)] at each suffix's last token. Suffixes run in padded batches of similar lengths within
+        the budgets; one too long for a batch of its own is prefilled (all but its last chunk) on a copy of the
+        snapshot first."""
         labels = np.asarray(label_ids, dtype=np.int64)
         logprobs = np.zeros((len(suffixes), len(labels)), np.float32)
         argmax = np.zeros((len(suffixes),), np.int64)
@@ -160,7 +166,8 @@ class D1TextRunner:
                 own = self.extend(snapshot, suffixes[index][:n - keep], run_options=run_options)
                 yield [index], own, [suffixes[index][n - keep:]]
                 continue
-            if group and not self.fits(len(group) + 1, len(suffixes[group[0]]), snapshot.length):
+            longest = len(suffixes[group[0]]) if group else n
+            if group and (n < MIN_FILL * longest or not self.fits(len(group) + 1, longest, snapshot.length)):
                 yield group, snapshot, [suffixes[i] for i in group]
                 group = []
             group.append(index)
@@ -178,7 +185,9 @@ class D1TextRunner:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         groups: list[list[int]] = []
         for index in order:
-            if groups and self.fits(len(groups[-1]) + 1, len(prompts[groups[-1][0]]), 0):
+            longest = len(prompts[groups[-1][0]]) if groups else 0
+            if (groups and len(prompts[index]) >= MIN_FILL * longest
+                    and self.fits(len(groups[-1]) + 1, longest, 0)):
                 groups[-1].append(index)
             else:
                 groups.append([index])
