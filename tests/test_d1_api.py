@@ -180,3 +180,15 @@ def test_models_lists_the_served_name(client):
     models = client.get("/v1/models").json()
     assert [m["name"] for m in models["models"]] == [SERVED]
     assert models["data"][0]["id"] == SERVED
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tools": 5}, {"documents": [1]}, {"messages": "x"}, {"add_generation_prompt": False},
+    {"continue_final_message": True}, {"tokenize": True}, {"bos_token": {"a": 1}}, {"enable_thinking": None},
+    {"enable_thinking": "auto"}, {"enable_thinking": 0}, {"": 1, "a b": [None]}, {"raise_exception": 1},
+])
+def test_chat_template_kwargs_never_break_the_server(client, kwargs):
+    """Spec 3.3: request kwargs are template variables (null/"auto" dropped, the generation prompt and thinking
+    forced); whatever they hold, the answer is a 200 or a 400, never a 5xx."""
+    response = post(client, {"state": "x", "questions": {"q": NOUL}, "chat_template_kwargs": kwargs})
+    assert response.status_code in (200, 400), response.text
