@@ -115,8 +115,14 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """Qwen smart resize (spec 4.9): multiples of `factor`, area within [min_pixels, max_pixels], Python rounding."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
+    return fit_area(height, width, round(height / factor) * factor, round(width / factor) * factor, factor,
+                    min_pixels, max_pixels)
+
+
+def fit_area(height: int, width: int, h_bar: int, w_bar: int, factor: int, min_pixels: int, max_pixels: int
+             ) -> tuple[int, int]:
+    """The smart resizes' second step (Qwen spec 4.9, LFM2-VL spec 3.8): a rounded size (h_bar, w_bar) whose area
+    is out of [min_pixels, max_pixels] is rescaled from the original size, flooring or ceiling to `factor`."""
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)

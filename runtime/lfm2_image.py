@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from PIL import Image
 
-from .image_transform import normalize, resize_bilinear
+from .image_transform import fit_area, normalize, resize_bilinear
 
 MAX_PIXELS = 1024 * 1024  # vLLM's d1 cap on the pixels of one image (spec 3.8 step 2)
 PIL_BILINEAR = 2  # PILImageResampling.BILINEAR, the only resample the torchvision port implements
@@ -197,15 +197,7 @@ def smart_size(height: int, width: int, config: Lfm2ImageConfig) -> tuple[int, i
     max_pixels = config.max_image_tokens * factor ** 2
     h_bar = max(factor, _round_by_factor(height, factor))
     w_bar = max(factor, _round_by_factor(width, factor))
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return fit_area(height, width, h_bar, w_bar, factor, min_pixels, max_pixels)
 
 
 def _target_ratios(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:

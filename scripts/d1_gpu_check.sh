@@ -6,16 +6,7 @@
 #   bash scripts/d1_gpu_check.sh export|check [SIZE]
 set -euo pipefail
 step="$1"; size="${2:-d1-3B}"
-wheel=~/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
-if [ ! -d ~/site/onnxruntime ]; then
-  cat ~/p/part0? > "$wheel"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site "$wheel" .device/wheels/*.whl
-fi
-# The package maps export/ runtime/ models/ server/ into systemone.*; mirror that mapping with links.
-mkdir -p ~/pkg/systemone
-cp systemone/__init__.py ~/pkg/systemone/
-for d in export runtime models server; do ln -sfn "$PWD/$d" ~/pkg/systemone/$d; done
-export PYTHONPATH=~/site:~/pkg:$PWD
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 mkdir -p "${OUT:-/tmp/out}"
 if [ "$step" = export ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 from typing import Any
 
 import numpy as np
@@ -148,20 +147,12 @@ def sixteen_questions(with_image: bool = True) -> dict[str, Any]:
     return body
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def time_prefix_reuse(service, reference, body: dict[str, Any], repeats: int = 5) -> dict[str, Any]:
     """Wall time of one request's reads (media encoded once in both) with and without prefix reuse, and the torch
     model on each whole prompt, side by side."""
     import torch
+
+    from scripts.timing import median_seconds
 
     request, questions = service.validate(body)
     prompts = service.engine.prompts(request, questions)

@@ -4,16 +4,7 @@
 #   bash scripts/gpu_check.sh SIZE MODE [MODE...]     e.g. bash scripts/gpu_check.sh d3-nano noncausal_full_attention
 set -euo pipefail
 size="$1"; shift
-wheel=~/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
-if [ ! -d ~/site/onnxruntime ]; then
-  cat ~/p/part0? > "$wheel"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site "$wheel" .device/wheels/*.whl
-fi
-# The package maps export/ runtime/ models/ server/ into systemone.*; mirror that mapping with links.
-mkdir -p ~/pkg/systemone
-cp systemone/__init__.py ~/pkg/systemone/
-for d in export runtime models server; do ln -sfn "$PWD/$d" ~/pkg/systemone/$d; done
-export PYTHONPATH=~/site:~/pkg:$PWD
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import onnxruntime as o, torch, transformers; print('onnxruntime', o.__version__, o.get_available_providers()); print('torch', torch.__version__, 'transformers', transformers.__version__)"
 mkdir -p "${OUT:-/tmp/out}"

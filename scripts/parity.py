@@ -64,10 +64,9 @@ def compare(service, reference, requests: list[dict]) -> dict:
 def time_request(service, reference, body: dict, repeats: int = 5) -> dict:
     """Wall time of one request: the runtime (one padded ONNX batch) vs the torch model run question by question,
     side by side in the same process on the same device."""
-    import time
-
     import torch
 
+    from scripts.timing import median_seconds
     from systemone.runtime.text_batch import text_positions
 
     prompts = service.render(body)
@@ -81,16 +80,7 @@ def time_request(service, reference, body: dict, repeats: int = 5) -> dict:
     def onnx_run():
         service.decide(body)
 
-    def median_seconds(fn):
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
-
-    onnx_s, torch_s = median_seconds(onnx_run), median_seconds(torch_run)
+    onnx_s, torch_s = median_seconds(onnx_run, repeats), median_seconds(torch_run, repeats)
     return {"questions": len(prompts), "prompt_tokens": sum(len(p.token_ids) for p in prompts),
             "onnx_seconds": onnx_s, "torch_seconds": torch_s, "torch_over_onnx": torch_s / onnx_s}
 

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.service import DecisionService
 from systemone.server.app import create_app
+from tests.http_helpers import assert_error, post
 from tests.media_helpers import data_url, gradient_png
 
 SERVED = "LiquidAI/d1-tiny"
@@ -18,19 +19,6 @@ NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 @pytest.fixture(scope="module")
 def client(d1_service):
     return TestClient(create_app(d1_service))
-
-
-def post(client, body, **kwargs):
-    return client.post("/v1/systemone", json=body, **kwargs)
-
-
-def assert_error(response, status, message, param=None):
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert body["error"]["code"] == status
-    assert message in body["error"]["message"], body["error"]["message"]
-    assert body["error"]["param"] == param
-    return body
 
 
 @pytest.mark.parametrize("questions,message", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from safetensors import safe_open
@@ -151,3 +152,23 @@ def test_prefix_split_leaves_every_question_a_token():
     assert shared_prefix([[1, 2, 3, 4], [1, 2, 5]]) == 2
     assert shared_prefix([[1, 2], [1, 2, 3]]) == 1
     assert shared_prefix([[7, 8], [9]]) == 0
+
+
+def test_a_hub_id_exports_from_the_hub_cache(d1_checkpoint, tmp_path, monkeypatch):
+    """`systemone export LiquidAI/d1-3B` goes through huggingface_hub's snapshot_download; offline it answers from
+    the cache, and the artifact records the hub id as its source."""
+    import huggingface_hub.constants as constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--LiquidAI--d1-tiny"
+    shutil.copytree(d1_checkpoint, repo / "snapshots" / ("1" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    out = export_checkpoint("LiquidAI/d1-tiny", tmp_path / "out", lengths=(7,))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"] == "LiquidAI/d1-tiny" and manifest["family"] == "d1"
+    assert Artifact.load(out).source == "LiquidAI/d1-tiny"

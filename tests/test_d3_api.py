@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.service import DecisionService
 from systemone.server.app import create_app
+from tests.http_helpers import assert_error, post
 
 SERVED = "vllm-sr/d3-tiny"
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
@@ -19,21 +20,6 @@ NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 @pytest.fixture(scope="module")
 def client(d3_service):
     return TestClient(create_app(d3_service))
-
-
-def post(client, body, **kwargs):
-    return client.post("/v1/systemone", json=body, **kwargs)
-
-
-def assert_error(response, status, message, param=None):
-    """Semantic errors: vLLM's status and message, in both client families' shapes (README decision 2)."""
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert body["error"]["code"] == status
-    assert message in body["error"]["message"]
-    assert body["detail"]["message"] == body["error"]["message"]
-    assert body["error"]["param"] == param
-    return body
 
 
 def assert_schema_error(response, loc):
