@@ -1,5 +1,6 @@
-"""Fuzz (issue 3): 10,000 generated bad requests against a live loopback server. Zero 5xx, zero hangs, every body
-JSON, and the server still answers a good request afterwards (README decision 1)."""
+"""Fuzz (issue 3): 10,000 generated bad requests against a live loopback d3 server, 3,000 against a d1 one (whose
+valid body also carries instructions and chat_template_kwargs). Zero 5xx, zero hangs, every body JSON, and the
+server still answers a good request afterwards (README decision 1)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ import zstandard
 from systemone.server.app import ServerOptions
 from tests.live_server import live_server
 
-COUNT = 10_000
 SEED = 20261130
 
-VALID = {
+VALID_D3 = {
     "model": "vllm-sr/d3-tiny",
     "state": {"ticket": "charged twice", "n": [1, 2.5, None, True]},
     "questions": {
@@ -27,6 +27,8 @@ VALID = {
     },
     "request_id": "r1",
 }
+VALID_D1 = {**VALID_D3, "model": "LiquidAI/d1-tiny", "instructions": "Be strict.",
+            "chat_template_kwargs": {"enable_thinking": False, "custom": [1, "x"]}}
 STRINGS = ["", " ", "\x00", "\ud7ff", "😀" * 3, "<|im_end|>", "<|vision_end|>", "a" * 3000, "नमस्ते", "\n\t\r",
            "noul", "choice", "score", "Choice", "true", "false", "data:image/png;base64,AAAA", "file:///etc/passwd"]
 
@@ -62,8 +64,8 @@ def paths(value, prefix=()):
             yield from paths(v, (*prefix, i))
 
 
-def mutate_structure(rng: random.Random) -> bytes:
-    body = json.loads(json.dumps(VALID))
+def mutate_structure(rng: random.Random, valid: dict) -> bytes:
+    body = json.loads(json.dumps(valid))
     for _ in range(rng.randrange(1, 4)):
         target = rng.choice([p for p in paths(body) if p])
         parent = body
@@ -82,8 +84,8 @@ def mutate_structure(rng: random.Random) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-def mutate_bytes(rng: random.Random) -> bytes:
-    data = bytearray(json.dumps(VALID).encode())
+def mutate_bytes(rng: random.Random, valid: dict) -> bytes:
+    data = bytearray(json.dumps(valid).encode())
     action = rng.randrange(4)
     if action == 0:
         return bytes(data[: rng.randrange(len(data))])
@@ -98,9 +100,9 @@ def mutate_bytes(rng: random.Random) -> bytes:
     return bytes(rng.randrange(256) for _ in range(rng.randrange(0, 200)))
 
 
-def bad_request(rng: random.Random) -> tuple[bytes, dict[str, str]]:
+def bad_request(rng: random.Random, valid: dict) -> tuple[bytes, dict[str, str]]:
     headers = {"Content-Type": "application/json"}
-    body = mutate_structure(rng) if rng.random() < 0.6 else mutate_bytes(rng)
+    body = mutate_structure(rng, valid) if rng.random() < 0.6 else mutate_bytes(rng, valid)
     roll = rng.random()
     if roll < 0.05:
         headers["Content-Type"] = rng.choice(["text/plain", "", "application/jsonx", "multipart/form-data"])
@@ -115,14 +117,14 @@ def bad_request(rng: random.Random) -> tuple[bytes, dict[str, str]]:
     return body, headers
 
 
-def test_ten_thousand_bad_requests(d3_service):
+def fuzz(service, valid: dict, count: int) -> None:
     rng = random.Random(SEED)
     statuses: Counter[int] = Counter()
     problems = []
-    with live_server(d3_service, ServerOptions(max_concurrency=1, max_queue=64)) as url:
+    with live_server(service, ServerOptions(max_concurrency=1, max_queue=64)) as url:
         with httpx.Client(base_url=url, timeout=30) as client:
-            for index in range(COUNT):
-                body, headers = bad_request(rng)
+            for index in range(count):
+                body, headers = bad_request(rng, valid)
                 response = client.post("/v1/systemone", content=body, headers=headers)
                 statuses[response.status_code] += 1
                 try:
@@ -131,10 +133,18 @@ def test_ten_thousand_bad_requests(d3_service):
                     problems.append((index, response.status_code, "body is not a JSON object"))
                 if response.status_code >= 500:
                     problems.append((index, response.status_code, response.text[:300]))
-            good = client.post("/v1/systemone", content=json.dumps(VALID).encode(),
+            good = client.post("/v1/systemone", content=json.dumps(valid).encode(),
                                headers={"Content-Type": "application/json"})
-    print(f"\nfuzz: {COUNT} requests, statuses {dict(sorted(statuses.items()))}")
-    assert sum(statuses.values()) == COUNT
+    print(f"\nfuzz {service.family.name}: {count} requests, statuses {dict(sorted(statuses.items()))}")
+    assert sum(statuses.values()) == count
     assert problems == []
-    assert sum(n for s, n in statuses.items() if 400 <= s < 500) > COUNT * 0.75  # mostly refused, as generated
+    assert sum(n for s, n in statuses.items() if 400 <= s < 500) > count * 0.75  # mostly refused, as generated
     assert good.status_code == 200 and set(good.json()["answers"]) == {"urgent", "team", "anger"}
+
+
+def test_ten_thousand_bad_requests_d3(d3_service):
+    fuzz(d3_service, VALID_D3, 10_000)
+
+
+def test_three_thousand_bad_requests_d1(d1_service):
+    fuzz(d1_service, VALID_D1, 3_000)
