@@ -44,6 +44,7 @@ def _sample_prompts(staging: Path, lengths: Sequence[int], seed: int, vocab: int
     from ..models.questions import parse_questions
     from ..models.request import parse_request
     from ..runtime.chat_template import ChatTemplate
+    from ..runtime.prompt import render_texts
     from ..runtime.tokenizer import PromptTokenizer
 
     rng = np.random.default_rng(seed)
@@ -53,9 +54,8 @@ def _sample_prompts(staging: Path, lengths: Sequence[int], seed: int, vocab: int
     template = ChatTemplate((staging / "chat_template.jinja").read_text(encoding="utf-8"), bits["special_tokens"])
     tokenizer = PromptTokenizer(staging / "tokenizer.json")
     request = parse_request(SAMPLE_REQUEST)
-    state = family.render_state(request.state)
-    for question in parse_questions(request.questions, family.option_limit):
-        text = template.render(family.messages(request, question, state), **family.template_kwargs(request))
+    questions = parse_questions(request.questions, family.option_limit)
+    for question, text in zip(questions, render_texts(template, family, request, questions)):
         prompts.append((f"prompt-{question.id}", tokenizer.encode(text)))
     return prompts
 

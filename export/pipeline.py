@@ -134,6 +134,7 @@ def _sample_prompts(staging: Path, lengths: Sequence[int], seed: int) -> list[tu
     from ..models.questions import parse_questions
     from ..models.request import parse_request
     from ..runtime.chat_template import ChatTemplate
+    from ..runtime.prompt import render_texts
     from ..runtime.tokenizer import PromptTokenizer
 
     rng = np.random.default_rng(seed)
@@ -147,10 +148,8 @@ def _sample_prompts(staging: Path, lengths: Sequence[int], seed: int) -> list[tu
                                  "urgent": {"type": "noul", "instructions": "Is it urgent?"},
                                  "team": {"type": "choice", "criteria": {"billing": "money", "support": None}},
                                  "mood": {"type": "score", "criteria": ["calm", "annoyed", "furious"]}}})
-    state = family.render_state(request.state)
-    for question in parse_questions(request.questions, family.option_limit):
-        text = template.render(family.messages(request, question, state), add_generation_prompt=True,
-                               enable_thinking=False)
+    questions = parse_questions(request.questions, family.option_limit)
+    for question, text in zip(questions, render_texts(template, family, request, questions)):
         prompts.append((f"prompt-{question.id}", tokenizer.encode(text)))
     return prompts
 

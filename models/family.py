@@ -82,6 +82,10 @@ class Family(ABC):
     def messages(self, request: DecisionRequest, question: Question, state_text: str) -> list[dict[str, Any]]:
         """The chat messages of one question."""
 
+    def template_kwargs(self, request: DecisionRequest) -> dict[str, Any]:
+        """The chat-template variables of a request's prompts: the generation prompt on, thinking off."""
+        return {"add_generation_prompt": True, "enable_thinking": False}
+
     def output_tokens(self, questions: Sequence[Question]) -> int:
         """Tokens generated for these questions (spec 5.3)."""
         return 0

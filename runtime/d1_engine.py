@@ -19,12 +19,11 @@ from ..models.family import Read
 from ..models.questions import LABELS, Question
 from ..models.request import DecisionRequest
 from .artifact import Artifact
-from .chat_template import ChatTemplateError
 from .d1_media import D1MediaEncoder, EncodedImages, expand_images, media_rows
 from .d1_text import D1TextRunner, StateLayout
 from .lfm2_image import Lfm2ImageConfig
 from .media_fetch import FetchPolicy
-from .prompt import RenderedPrompt
+from .prompt import RenderedPrompt, render_texts
 from .session import GraphSession
 
 TAIL_MISMATCH = "these chat options end the prompt differently, so the labels' tokens are unknown"
@@ -50,7 +49,7 @@ class D1Engine:
         self.family = artifact.family
         self.tokenizer = artifact.tokenizer
         # The graph reads a prefix chunk by chunk and its KV cache grows linearly: the context is the model's.
-        self.max_model_len = min(max_model_len or artifact.max_model_len, artifact.max_model_len)
+        self.max_model_len = max_model_len or artifact.max_model_len
         self.session = GraphSession(artifact.graph_path("text"), device, threads)
         layout = StateLayout(tuple(manifest["layer_types"]), int(manifest["num_key_value_heads"]),
                              int(manifest["head_dim"]), int(manifest["num_attention_heads"]),
@@ -67,13 +66,10 @@ class D1Engine:
         self.unsupported = self._generic_labels_problem()
 
     # -- startup checks (spec 3.5) ---------------------------------------------------------------------------
-    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
-        return self.artifact.template.render(messages, **kwargs)
-
     def _generation_tail(self) -> list[int]:
         """The ids after the last added-vocabulary token of a probe conversation (LFM2: "assistant\\n")."""
-        probe = self._render([{"role": "user", "content": "x"}],
-                             dict(add_generation_prompt=True, enable_thinking=False))
+        probe = self.artifact.template.render([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                              enable_thinking=False)
         ids = self.tokenizer.encode(probe)
         added = self.tokenizer.added_ids()
         last = max((i for i, token in enumerate(ids) if token in added), default=-1)
@@ -122,14 +118,7 @@ class D1Engine:
     def _prompts(self, request: DecisionRequest, questions: list[Question], run_options: Any = None
                  ) -> tuple[list[RenderedPrompt], EncodedImages | None]:
         images = self.media.encode(request, run_options) if request.images else None
-        state_text = self.family.render_state(request.state)
-        kwargs = self.family.template_kwargs(request)
-        texts = []
-        for question in questions:
-            try:
-                texts.append(self._render(self.family.messages(request, question, state_text), kwargs))
-            except ChatTemplateError as exc:
-                raise DecisionError(str(exc)) from exc
+        texts = render_texts(self.artifact.template, self.family, request, questions)
         prompts = []
         count = len(request.images or ())
         for question, text, ids in zip(questions, texts, self.tokenizer.encode_batch(texts)):

@@ -4,7 +4,6 @@ crops and run through the vision graph once each, whatever the number of questio
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
@@ -18,7 +17,7 @@ from .d1_text import MediaRows
 from .lfm2_cells import unshuffle_order
 from .lfm2_image import Lfm2Image, Lfm2ImageConfig, cap_pixels, lfm2_image, placeholder_text
 from .media_decode import decode_image
-from .media_fetch import FetchPolicy, fetch
+from .media_fetch import FetchPolicy, fetch, read_each_once
 from .session import GraphSession
 from .siglip_positions import siglip_positions
 
@@ -77,10 +76,7 @@ class D1MediaEncoder:
     def encode(self, request: DecisionRequest, run_options: Any = None) -> EncodedImages:
         """Every image in request order; the same URL twice is fetched, decoded and encoded once."""
         urls = list(request.images or ())
-        unique = list(dict.fromkeys(urls))
-        where = {url: f"images[{urls.index(url)}]" for url in unique}
-        with ThreadPoolExecutor(max_workers=min(8, max(1, len(unique)))) as pool:
-            images = dict(zip(unique, pool.map(lambda url: self._image(url, where[url]), unique)))
+        images = read_each_once([(url, f"images[{i}]") for i, url in enumerate(urls)], self._image)
         encoded = {url: (self.encode_text(placeholder_text(img)), self._rows(img, run_options))
                    for url, img in images.items()}
         return EncodedImages([encoded[url][0] for url in urls],

@@ -136,6 +136,33 @@ class D1TextRunner:
         return tuple(states)
 
     # -- reads -----------------------------------------------------------------------------------------------
+    def _batches(self, lengths: Sequence[int], past: int) -> list[list[int]]:
+        """Row indices per graph call, longest first: rows of similar length (MIN_FILL) within both budgets."""
+        batches: list[list[int]] = []
+        for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            longest = lengths[batches[-1][0]] if batches else 0
+            if (batches and lengths[index] >= MIN_FILL * longest
+                    and self.fits(len(batches[-1]) + 1, longest, past)):
+                batches[-1].append(index)
+            else:
+                batches.append([index])
+        return batches
+
+    def _run_rows(self, base: Snapshot, rows: Sequence[Sequence[int]], labels: np.ndarray,
+                  media: MediaRows | None, run_options) -> tuple[np.ndarray, np.ndarray]:
+        """One graph call: `rows` right-padded on `base`, media rows at the same positions in every row; the
+        label log-probabilities and greedy token at each row's last token."""
+        width = max(len(r) for r in rows)
+        ids = np.zeros((len(rows), width), np.int64)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = row
+        if media is not None:
+            media = MediaRows(np.tile(media.embeds, (len(rows), 1)),
+                              (np.arange(len(rows))[:, None] * width + media.positions[None]).reshape(-1))
+        last = np.array([len(r) - 1 for r in rows], np.int64)
+        out = self.session.run(self._feeds(ids, last, labels, base, media), run_options)
+        return out[0], out[1]
+
     def read(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
              run_options=None) -> tuple[np.ndarray, np.ndarray]:
         """Each suffix read on the snapshot: log-probabilities [len(suffixes), K] at `label_ids` and the greedy
@@ -145,34 +172,20 @@ class D1TextRunner:
         labels = np.asarray(label_ids, dtype=np.int64)
         logprobs = np.zeros((len(suffixes), len(labels)), np.float32)
         argmax = np.zeros((len(suffixes),), np.int64)
-        for group, base, tails in self._groups(snapshot, suffixes, run_options):
-            width = max(len(t) for t in tails)
-            ids = np.zeros((len(tails), width), np.int64)
-            for row, tail in enumerate(tails):
-                ids[row, :len(tail)] = tail
-            last = np.array([len(t) - 1 for t in tails], np.int64)
-            out = self.session.run(self._feeds(ids, last, labels, base, None), run_options)
-            logprobs[group], argmax[group] = out[0], out[1]
-        return logprobs, argmax
-
-    def _groups(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], run_options):
-        """(row indices, snapshot, their tails) per graph call, longest suffixes first."""
-        order = sorted(range(len(suffixes)), key=lambda i: -len(suffixes[i]))
-        group: list[int] = []
-        for index in order:
-            n = len(suffixes[index])
-            if not self.fits(1, n, snapshot.length):
-                keep = self.chunk_length(snapshot.length + n)  # the last chunk, read on the extended state
-                own = self.extend(snapshot, suffixes[index][:n - keep], run_options=run_options)
-                yield [index], own, [suffixes[index][n - keep:]]
+        fitting = []
+        for index, suffix in enumerate(suffixes):
+            n = len(suffix)
+            if self.fits(1, n, snapshot.length):
+                fitting.append(index)
                 continue
-            longest = len(suffixes[group[0]]) if group else n
-            if group and (n < MIN_FILL * longest or not self.fits(len(group) + 1, longest, snapshot.length)):
-                yield group, snapshot, [suffixes[i] for i in group]
-                group = []
-            group.append(index)
-        if group:
-            yield group, snapshot, [suffixes[i] for i in group]
+            keep = self.chunk_length(snapshot.length + n)  # the last chunk, read on the extended state
+            own = self.extend(snapshot, suffix[:n - keep], run_options=run_options)
+            logprobs[[index]], argmax[[index]] = self._run_rows(own, [suffix[n - keep:]], labels, None, run_options)
+        for batch in self._batches([len(suffixes[i]) for i in fitting], snapshot.length):
+            rows = [fitting[i] for i in batch]
+            logprobs[rows], argmax[rows] = self._run_rows(snapshot, [suffixes[i] for i in rows], labels, None,
+                                                          run_options)
+        return logprobs, argmax
 
     def read_full(self, prompts: Sequence[Sequence[int]], label_ids: Sequence[int], media: MediaRows | None = None,
                   run_options=None) -> tuple[np.ndarray, np.ndarray]:
@@ -182,25 +195,7 @@ class D1TextRunner:
         logprobs = np.zeros((len(prompts), len(labels)), np.float32)
         argmax = np.zeros((len(prompts),), np.int64)
         empty = self.empty()
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        groups: list[list[int]] = []
-        for index in order:
-            longest = len(prompts[groups[-1][0]]) if groups else 0
-            if (groups and len(prompts[index]) >= MIN_FILL * longest
-                    and self.fits(len(groups[-1]) + 1, longest, 0)):
-                groups[-1].append(index)
-            else:
-                groups.append([index])
-        for group in groups:
-            width = len(prompts[group[0]])
-            ids = np.zeros((len(group), width), np.int64)
-            for row, index in enumerate(group):
-                ids[row, :len(prompts[index])] = prompts[index]
-            rows = None
-            if media is not None:
-                rows = MediaRows(np.tile(media.embeds, (len(group), 1)),
-                                 (np.arange(len(group))[:, None] * width + media.positions[None]).reshape(-1))
-            last = np.array([len(prompts[i]) - 1 for i in group], np.int64)
-            out = self.session.run(self._feeds(ids, last, labels, empty, rows), run_options)
-            logprobs[group], argmax[group] = out[0], out[1]
+        for rows in self._batches([len(p) for p in prompts], 0):
+            logprobs[rows], argmax[rows] = self._run_rows(empty, [prompts[i] for i in rows], labels, media,
+                                                          run_options)
         return logprobs, argmax

@@ -12,11 +12,10 @@ from ..models.family import Read
 from ..models.questions import Question
 from ..models.request import DecisionRequest
 from .artifact import Artifact
-from .chat_template import ChatTemplateError
 from .d3_media import D3MediaEncoder
 from .media_fetch import FetchPolicy
 from .media_prompt import VISION_END, expand_media, mrope_positions
-from .prompt import RenderedPrompt
+from .prompt import RenderedPrompt, render_texts
 from .session import GraphSession
 from .text_batch import CodeLogitsRunner, Media, attention_bytes, text_positions
 
@@ -47,15 +46,7 @@ class D3Engine:
                  ) -> tuple[list[RenderedPrompt], Media | None]:
         """Every question's prompt (media read once, spec 4.8) and the media rows the text graph takes."""
         media = self.media.encode(request, run_options) if request.modalities() else None
-        state_text = self.family.render_state(request.state)
-        texts = []
-        for question in questions:
-            messages = self.family.messages(request, question, state_text)
-            try:
-                texts.append(self.artifact.template.render(messages, add_generation_prompt=True,
-                                                           enable_thinking=False))
-            except ChatTemplateError as exc:
-                raise DecisionError(str(exc)) from exc
+        texts = render_texts(self.artifact.template, self.family, request, questions)
         tokenizer = self.artifact.tokenizer
         if media is None:
             prompts = [RenderedPrompt(q, t, ids, text_positions(len(ids)))

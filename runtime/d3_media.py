@@ -3,7 +3,6 @@ vision graph once each, whatever the number of questions (README decision 6; spe
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +11,7 @@ import numpy as np
 from ..models.request import DecisionRequest
 from .image_transform import qwen_image
 from .media_decode import decode_image
-from .media_fetch import FetchPolicy, MediaError, fetch
+from .media_fetch import FetchPolicy, MediaError, fetch, read_each_once
 from .media_prompt import MediaLayout
 from .qwen_vision import vision_inputs
 from .session import GraphSession
@@ -69,16 +68,14 @@ class D3MediaEncoder:
 
     def encode(self, request: DecisionRequest, run_options: Any = None) -> EncodedMedia:
         """Every image, then every video, in request order: one fetch, one decode, one vision pass each."""
-        jobs = [("image", url, f"images[{i}]") for i, url in enumerate(request.images or ())]
-        jobs += [("video", url, f"videos[{i}]") for i, url in enumerate(request.videos or ())]
-        unique = list({(kind, url): (kind, url, where) for kind, url, where in reversed(jobs)}.values())[::-1]
+        jobs = [(("image", url), f"images[{i}]") for i, url in enumerate(request.images or ())]
+        jobs += [(("video", url), f"videos[{i}]") for i, url in enumerate(request.videos or ())]
         read = {"image": self._image, "video": self._video}
-        with ThreadPoolExecutor(max_workers=min(8, max(1, len(unique)))) as pool:
-            processed = list(pool.map(lambda job: read[job[0]](job[1], job[2]), unique))
+        processed = read_each_once(jobs, lambda key, where: read[key[0]](key[1], where))
         # The same URL listed twice is read and encoded once; its rows fill both placeholders.
         encoded = {}
-        for (kind, url, _), (pixels, (t, h, w), stamps) in zip(unique, processed):
+        for (kind, url), (pixels, (t, h, w), stamps) in processed.items():
             layout = MediaLayout(kind, ((h // self.merge, w // self.merge),) * t, stamps)
             encoded[kind, url] = layout, self._segments(pixels, (t, h, w), run_options)
-        items = [encoded[kind, url] for kind, url, _ in jobs]
+        items = [encoded[key] for key, _ in jobs]
         return EncodedMedia([layout for layout, _ in items], np.concatenate([rows for _, rows in items], axis=0))

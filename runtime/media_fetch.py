@@ -14,12 +14,17 @@ import http.client
 import ipaddress
 import socket
 import ssl
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urljoin, urlsplit
 
 from ..models.errors import DecisionError
 
+K = TypeVar("K")
+T = TypeVar("T")
 USER_AGENT = "systemone-onnx"
 MAX_REDIRECTS = 5
 
@@ -173,3 +178,13 @@ def fetch(url: str, where: str, kind: str, policy: FetchPolicy) -> bytes:
         timeout = policy.video_timeout_s if kind == "video" else policy.image_timeout_s
         return _http(url, where, timeout, policy)
     raise MediaError(where, "The URL must be either a HTTP, data or file URL.")
+
+
+def read_each_once(jobs: Sequence[tuple[K, str]], read: Callable[[K, str], T], workers: int = 8) -> dict[K, T]:
+    """Each distinct key of `jobs` ((key, where) in request order) read once, concurrently, named by the first
+    place it stands (README decision 6: the same URL twice is fetched and decoded once)."""
+    first: dict[K, str] = {}
+    for key, where in jobs:
+        first.setdefault(key, where)
+    with ThreadPoolExecutor(max_workers=min(workers, max(1, len(first)))) as pool:
+        return dict(zip(first, pool.map(lambda key: read(key, first[key]), first)))
