@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from .errors import DecisionError
-from .family import Family, Read, label_softmax
-from .questions import LABELS, Question
+from .family import Encode, Family, Labels, Readout, label_softmax
+from .questions import QUESTION_TYPES, Question, Read
 from .request import DecisionRequest
 
 STATE_SEPARATOR = "\n\n\nQUESTION:\n"
@@ -25,22 +24,62 @@ NOUL_YES_SIDE = "\nYes: "
 NOUL_NO_SIDE = "\nNo: "
 NOUL_FORMS = (("yes", "Yes", "YES"), ("no", "No", "NO"))
 THINKING_REFUSED = "a read is the reply's first token, so thinking must be off"
-OPTION_LIMITS = {qtype: min(26, len(labels)) for qtype, labels in LABELS.items()}  # spec 2.3
+OPTION_LIMITS = {name: min(26, len(kind.labels)) for name, kind in QUESTION_TYPES.items()}  # spec 2.3
 
 
 def score_tail(levels: int) -> str:
     return f"\n\nReply with a single digit 0-{levels - 1} only."
 
 
-@dataclass(frozen=True)
-class LabelGroups:
-    """One question's label token ids per option (spec 3.6), in option order then form order."""
+def codes(question: Question) -> list[str]:
+    """Choice codes (spec 3.6): the stripped names when all are one alphabetic character, else A, B, ..."""
+    stripped = [o.name.strip() for o in question.options]
+    if all(len(s) == 1 and s.isalpha() for s in stripped):
+        return stripped
+    return list(QUESTION_TYPES["choice"].labels[: len(stripped)])
 
-    groups: tuple[tuple[int, ...], ...]
 
-    @property
-    def ids(self) -> list[int]:
-        return [i for group in self.groups for i in group]
+class AskedAs:
+    """How d1 asks one question type: the text after the state (spec 3.2) and each option's label forms, its
+    label first (spec 3.6)."""
+
+    def text(self, question: Question) -> str:
+        raise NotImplementedError
+
+    def forms(self, question: Question) -> list[tuple[str, ...]]:
+        raise NotImplementedError
+
+
+class ChoiceAsked(AskedAs):
+    def text(self, question: Question) -> str:
+        lines = [f"{code} {o.description if o.description else o.name.replace('_', ' ')}"
+                 for code, o in zip(codes(question), question.options)]
+        return question.instructions + OPTIONS_HEADER + "\n".join(lines) + CHOICE_TAIL
+
+    def forms(self, question: Question) -> list[tuple[str, ...]]:
+        return [(code, " " + code) for code in codes(question)]
+
+
+class NoulAsked(AskedAs):
+    def text(self, question: Question) -> str:
+        yes, no = (o.description for o in question.options)
+        sides = f"{NOUL_YES_SIDE}{yes}{NOUL_NO_SIDE}{no}" if (yes or no) else ""
+        return question.instructions + sides + NOUL_TAIL
+
+    def forms(self, question: Question) -> list[tuple[str, ...]]:
+        return list(NOUL_FORMS)
+
+
+class ScoreAsked(AskedAs):
+    def text(self, question: Question) -> str:
+        lines = [f"{i} {o.name}" for i, o in enumerate(question.options)]
+        return question.instructions + "\n\n" + "\n".join(lines) + score_tail(len(question.options))
+
+    def forms(self, question: Question) -> list[tuple[str, ...]]:
+        return [(str(i),) for i in range(len(question.options))]
+
+
+ASKED = {"choice": ChoiceAsked(), "noul": NoulAsked(), "score": ScoreAsked()}
 
 
 class D1Family(Family):
@@ -76,30 +115,8 @@ class D1Family(Family):
             return state
         return json.dumps(state, ensure_ascii=False, indent=2)
 
-    @staticmethod
-    def codes(question: Question) -> list[str]:
-        """Choice codes (spec 3.6): the stripped names when all are one alphabetic character, else A, B, ..."""
-        stripped = [o.name.strip() for o in question.options]
-        if all(len(s) == 1 and s.isalpha() for s in stripped):
-            return stripped
-        return list(LABELS["choice"][: len(stripped)])
-
-    def ask(self, question: Question) -> str:
-        """The question's text after the state (spec 3.2)."""
-        instructions = question.instructions
-        if question.type == "choice":
-            lines = [f"{code} {o.description if o.description else o.name.replace('_', ' ')}"
-                     for code, o in zip(self.codes(question), question.options)]
-            return instructions + OPTIONS_HEADER + "\n".join(lines) + CHOICE_TAIL
-        if question.type == "noul":
-            yes, no = (o.description for o in question.options)
-            sides = f"{NOUL_YES_SIDE}{yes}{NOUL_NO_SIDE}{no}" if (yes or no) else ""
-            return instructions + sides + NOUL_TAIL
-        lines = [f"{i} {o.name}" for i, o in enumerate(question.options)]
-        return instructions + "\n\n" + "\n".join(lines) + score_tail(len(question.options))
-
     def user_text(self, question: Question, state_text: str) -> str:
-        ask = self.ask(question)
+        ask = ASKED[question.type].text(question)
         return state_text + STATE_SEPARATOR + ask if state_text else ask
 
     def messages(self, request: DecisionRequest, question: Question, state_text: str) -> list[dict[str, Any]]:
@@ -112,20 +129,12 @@ class D1Family(Family):
         return [*system, {"role": "user", "content": content}]
 
     # -- labels (spec 3.6) -----------------------------------------------------------------------------------
-    def forms(self, question: Question) -> list[tuple[str, ...]]:
-        """Each option's label forms, its label (the first form) first."""
-        if question.type == "noul":
-            return list(NOUL_FORMS)
-        if question.type == "choice":
-            return [(code, " " + code) for code in self.codes(question)]
-        return [(str(i),) for i in range(len(question.options))]
-
-    def label_groups(self, question: Question, encode: Callable[[str], list[int]]) -> LabelGroups:
+    def labels(self, question: Question, encode: Encode) -> Labels:
         """Each option's distinct single-token forms, encoded standalone; 400 when an option's label is not one
         token of its own (spec 3.6)."""
         groups: list[tuple[int, ...]] = []
         seen: set[int] = set()
-        for forms in self.forms(question):
+        for forms in ASKED[question.type].forms(question):
             group: list[int] = []
             for form in forms:
                 ids = encode(form)
@@ -138,14 +147,15 @@ class D1Family(Family):
                                     "this model")
             seen.update(group)
             groups.append(tuple(group))
-        return LabelGroups(tuple(groups))
+        return Labels(tuple(groups))
 
     # -- read (spec 3.7) -------------------------------------------------------------------------------------
-    def read(self, question: Question, labels: LabelGroups, logprobs: Mapping[int, float], argmax_id: int) -> Read:
+    def read(self, question: Question, labels: Labels, readout: Readout) -> Read:
         """The read from the float32 full-vocabulary log-softmax at the label ids and the greedy token."""
+        logprobs = readout.scores
         scores = [max(float(logprobs[i]) for i in group) for group in labels.groups]
         mass = sum(math.exp(float(logprobs[i])) for i in labels.ids)
-        return Read(tuple(label_softmax(scores)), mass, int(argmax_id) in set(labels.ids))
+        return Read(tuple(label_softmax(scores)), mass, readout.greedy in set(labels.ids))
 
     def output_tokens(self, questions: Sequence[Question]) -> int:
         return len(questions)  # one generated token per question (spec 5.3)

@@ -1,28 +1,45 @@
-"""What every decision-model family shares: the read contract (spec 2.5) and the answers built from it (spec 5).
+"""A model family's contract: its limits, its prompt, its labels and its read (spec 2.3, 2.5).
 
-A family (d1, d3) says how a question becomes a prompt and how the model's numbers become a `Read`; this module
-turns reads into answers, the same way for every family.
+A family (d1, d3) says how a question becomes chat messages, which output slots carry each option (its labels),
+and how the numbers its graph gives at those slots become a `Read`. The same `read` signature serves every
+family: the engine hands over a `Readout` (the scores at the requested slots, and the greedy slot where the
+graph has one), and the question type turns the read into the answer.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .questions import LABELS, Question
+from .questions import Question, Read
 from .request import DecisionRequest
+
+Encode = Callable[[str], list[int]]
 
 
 @dataclass(frozen=True)
-class Read:
-    """One question's read (spec 2.5): a probability per option in option order, label mass, argmax check."""
+class Labels:
+    """One question's output slots per option, in option order (d1: label token ids, several forms an option;
+    d3: answer-code indices of the readout)."""
 
-    probs: tuple[float, ...]
-    label_mass: float
-    argmax_is_label: bool
+    groups: tuple[tuple[int, ...], ...]
+
+    @property
+    def ids(self) -> list[int]:
+        return [i for group in self.groups for i in group]
+
+
+@dataclass(frozen=True)
+class Readout:
+    """What the graph gave for one question: a score per requested slot and, where the graph picks one, the
+    greedy slot (d1's next token); d3's readout has no greedy pick outside its codes."""
+
+    scores: Mapping[int, float]
+    greedy: int | None = None
 
 
 def label_softmax(scores: Sequence[float]) -> list[float]:
@@ -33,38 +50,16 @@ def label_softmax(scores: Sequence[float]) -> list[float]:
     return [e / total for e in exps]
 
 
-def first_argmax(values: Sequence[float]) -> int:
-    best = 0
-    for i, v in enumerate(values):
-        if v > values[best]:
-            best = i
-    return best
-
-
-def build_answer(question: Question, read: Read) -> dict[str, Any]:
-    """The answer object of one question (spec 5.1), keys in vLLM's order."""
-    probs = list(read.probs)
-    if question.type == "noul":
-        yes, no = probs
-        return {"type": "noul", "noul": yes, "probabilities": {"yes": yes, "no": no},
-                "confidence": max(yes, no) * read.label_mass}
-    top = first_argmax(probs)
-    confidence = probs[top] * read.label_mass
-    if question.type == "choice":
-        return {"type": "choice", "choice": question.options[top].name,
-                "probabilities": dict(zip(question.names, probs)), "confidence": confidence}
-    labels = LABELS["score"][: len(probs)]
-    return {"type": "score", "score": sum(i * p for i, p in enumerate(probs)),
-            "legend": dict(zip(labels, question.names)), "probabilities": dict(zip(labels, probs)),
-            "confidence": confidence}
-
-
 class Family(ABC):
-    """One model family's contract: limits, prompt, read. Subclasses hold every prompt string of their family and
-    a `read` from what their graph computes (d1: label log-probabilities, d3: code logits) to a `Read`."""
+    """One model family: every prompt string it uses, its labels and its read."""
 
     name: str
     modalities: frozenset[str]
+
+    @classmethod
+    def load(cls, root: Path) -> Family:
+        """The family's contract for the checkpoint or artifact files under `root`."""
+        return cls()
 
     @abstractmethod
     def option_limit(self, question_type: str) -> int:
@@ -85,6 +80,14 @@ class Family(ABC):
     def template_kwargs(self, request: DecisionRequest) -> dict[str, Any]:
         """The chat-template variables of a request's prompts: the generation prompt on, thinking off."""
         return {"add_generation_prompt": True, "enable_thinking": False}
+
+    @abstractmethod
+    def labels(self, question: Question, encode: Encode) -> Labels:
+        """The output slots of each option of `question`; a `DecisionError` when the model cannot read them."""
+
+    @abstractmethod
+    def read(self, question: Question, labels: Labels, readout: Readout) -> Read:
+        """The question's probabilities from its graph readout."""
 
     def output_tokens(self, questions: Sequence[Question]) -> int:
         """Tokens generated for these questions (spec 5.3)."""

@@ -1,33 +1,127 @@
-"""The question model shared by every family (spec 2.1-2.4, 1.3 step 4).
+"""The question model every family shares: one registered class per question type (spec 2.1-2.5, 5.1).
 
-Python's `str()` and `repr()` of the JSON values decide prompt text and error messages (spec 2.6), so values are
-kept as `json.loads` gives them and formatted with the builtins.
+A type owns how its criteria parse into options and how a read becomes its answer; a family adds only how the
+type is asked and read (its prompt text and labels). Python's `str()` and `repr()` of the JSON values decide
+prompt text and error messages (spec 2.6), so values are kept as `json.loads` gives them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import DecisionError
 
-QUESTION_TYPES = ("choice", "noul", "score")
 QUESTION_FIELDS = frozenset({"type", "instructions", "criteria"})
 MAX_QUESTIONS = 64
-
-# Generic label sets (spec 2.4): a question's labels are the first N of its type's set.
-LABELS = {
-    "choice": tuple(chr(c) for c in range(ord("A"), ord("Z") + 1)),
-    "noul": ("yes", "no"),
-    "score": tuple(str(d) for d in range(10)),
-}
 
 
 @dataclass(frozen=True)
 class Option:
     name: str
     description: str | None
+
+
+@dataclass(frozen=True)
+class Read:
+    """One question's read (spec 2.5): a probability per option in option order, label mass, argmax check."""
+
+    probs: tuple[float, ...]
+    label_mass: float
+    argmax_is_label: bool
+
+
+def first_argmax(values: Sequence[float]) -> int:
+    """The first index of the largest value (Python's max over a list picks the first on ties)."""
+    best = 0
+    for i, v in enumerate(values):
+        if v > values[best]:
+            best = i
+    return best
+
+
+def _described(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+class QuestionType(ABC):
+    """One question type: its generic labels (spec 2.4), its criteria parsing (2.1) and its answer (5.1)."""
+
+    name: ClassVar[str]
+    labels: ClassVar[tuple[str, ...]]
+
+    @abstractmethod
+    def parse_options(self, qid: str, criteria: Any) -> tuple[Option, ...]:
+        """Criteria -> options, with vLLM's messages."""
+
+    @abstractmethod
+    def answer(self, question: Question, read: Read) -> dict[str, Any]:
+        """The answer object, keys in vLLM's order."""
+
+
+QUESTION_TYPES: dict[str, QuestionType] = {}
+
+
+def question_type(cls: type[QuestionType]) -> type[QuestionType]:
+    """Register a question type under its name."""
+    QUESTION_TYPES[cls.name] = cls()
+    return cls
+
+
+@question_type
+class Choice(QuestionType):
+    name = "choice"
+    labels = tuple(chr(c) for c in range(ord("A"), ord("Z") + 1))
+
+    def parse_options(self, qid: str, criteria: Any) -> tuple[Option, ...]:
+        if not isinstance(criteria, Mapping) or not criteria:
+            raise DecisionError(f"question {qid!r}: choice criteria must map option names to a description or null")
+        return tuple(Option(str(name), _described(desc)) for name, desc in criteria.items())
+
+    def answer(self, question: Question, read: Read) -> dict[str, Any]:
+        probs = list(read.probs)
+        top = first_argmax(probs)
+        return {"type": "choice", "choice": question.options[top].name,
+                "probabilities": dict(zip(question.names, probs)), "confidence": probs[top] * read.label_mass}
+
+
+@question_type
+class Noul(QuestionType):
+    name = "noul"
+    labels = ("yes", "no")
+
+    def parse_options(self, qid: str, criteria: Any) -> tuple[Option, ...]:
+        if criteria is None:
+            criteria = {}
+        if not isinstance(criteria, Mapping) or not set(criteria) <= {"true", "false"}:
+            raise DecisionError(f"question {qid!r}: noul criteria must be an object with true and false")
+        return (Option("yes", _described(criteria.get("true"))), Option("no", _described(criteria.get("false"))))
+
+    def answer(self, question: Question, read: Read) -> dict[str, Any]:
+        yes, no = read.probs
+        return {"type": "noul", "noul": yes, "probabilities": {"yes": yes, "no": no},
+                "confidence": max(yes, no) * read.label_mass}
+
+
+@question_type
+class Score(QuestionType):
+    name = "score"
+    labels = tuple(str(d) for d in range(10))
+
+    def parse_options(self, qid: str, criteria: Any) -> tuple[Option, ...]:
+        if not isinstance(criteria, list) or len(criteria) < 2:
+            raise DecisionError(f"question {qid!r}: score criteria must be an ordered list of levels")
+        return tuple(Option(str(level), None) for level in criteria)
+
+    def answer(self, question: Question, read: Read) -> dict[str, Any]:
+        probs = list(read.probs)
+        top = first_argmax(probs)
+        labels = self.labels[: len(probs)]
+        return {"type": "score", "score": sum(i * p for i, p in enumerate(probs)),
+                "legend": dict(zip(labels, question.names)), "probabilities": dict(zip(labels, probs)),
+                "confidence": probs[top] * read.label_mass}
 
 
 @dataclass(frozen=True)
@@ -38,8 +132,15 @@ class Question:
     instructions: str
 
     @property
+    def kind(self) -> QuestionType:
+        return QUESTION_TYPES[self.type]
+
+    @property
     def names(self) -> list[str]:
         return [o.name for o in self.options]
+
+    def answer(self, read: Read) -> dict[str, Any]:
+        return self.kind.answer(self, read)
 
 
 def coerce_text(value: Any) -> str:
@@ -47,27 +148,6 @@ def coerce_text(value: Any) -> str:
     if value is None:
         return ""
     return value if isinstance(value, str) else str(value)
-
-
-def _described(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
-def parse_options(qid: str, qtype: str, criteria: Any) -> tuple[Option, ...]:
-    """Criteria -> options, with vLLM's messages (spec 2.1)."""
-    if qtype == "choice":
-        if not isinstance(criteria, Mapping) or not criteria:
-            raise DecisionError(f"question {qid!r}: choice criteria must map option names to a description or null")
-        return tuple(Option(str(name), _described(desc)) for name, desc in criteria.items())
-    if qtype == "noul":
-        if criteria is None:
-            criteria = {}
-        if not isinstance(criteria, Mapping) or not set(criteria) <= {"true", "false"}:
-            raise DecisionError(f"question {qid!r}: noul criteria must be an object with true and false")
-        return (Option("yes", _described(criteria.get("true"))), Option("no", _described(criteria.get("false"))))
-    if not isinstance(criteria, list) or len(criteria) < 2:
-        raise DecisionError(f"question {qid!r}: score criteria must be an ordered list of levels")
-    return tuple(Option(str(level), None) for level in criteria)
 
 
 def parse_questions(questions: Mapping[str, Mapping[str, Any]],
@@ -88,16 +168,16 @@ def parse_questions(questions: Mapping[str, Mapping[str, Any]],
             raise DecisionError(f"question {qid!r}: unknown field(s) {unknown!r}")
         if qid == "":
             raise DecisionError("question ids must be non-empty")
-        qtype = spec["type"]
-        if qtype not in QUESTION_TYPES:
-            raise DecisionError(f"unknown question type {qtype!r}; supported: {list(QUESTION_TYPES)!r}")
-        options = parse_options(qid, qtype, spec.get("criteria"))
+        kind = QUESTION_TYPES.get(spec["type"])
+        if kind is None:
+            raise DecisionError(f"unknown question type {spec['type']!r}; supported: {list(QUESTION_TYPES)!r}")
+        options = kind.parse_options(qid, spec.get("criteria"))
         if not options:
             raise DecisionError(f"question {qid!r}: needs at least one option")
         if len({o.name for o in options}) != len(options):
             raise DecisionError(f"question {qid!r}: duplicate option names")
-        limit = option_limit(qtype)
+        limit = option_limit(kind.name)
         if len(options) > limit:
             raise DecisionError(f"question {qid!r}: at most {limit} options for this model")
-        parsed.append(Question(qid, qtype, options, coerce_text(spec.get("instructions", ""))))
+        parsed.append(Question(qid, kind.name, options, coerce_text(spec.get("instructions", ""))))
     return parsed

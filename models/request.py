@@ -1,13 +1,13 @@
-"""The request body: its schema (spec 1.2, README decisions 2-3) and the family-independent checks of spec 1.3.
+"""The request body: its schema (spec 1.2, decisions 2-3) and the family-independent checks of spec 1.3.
 
 Schema problems (wrong JSON types, missing `state` or `questions`) are collected and answered 422 in FastAPI's
-shape; unknown top-level fields are ignored (README decision 3); semantic problems raise `DecisionError` (400).
+shape; unknown top-level fields are ignored (decision 3); semantic problems raise `DecisionError` (400).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import DecisionError, SchemaError, SchemaIssue
@@ -28,10 +28,7 @@ class DecisionRequest:
     videos: list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     joint: bool = False
-    cache_salt: str | None = None
-    priority: int = 0
     request_id: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def modalities(self) -> set[str]:
         """Modalities with a non-empty list (null and [] are ignored, spec 1.3 step 5)."""
@@ -110,7 +107,8 @@ def parse_request(body: Any) -> DecisionRequest:
     if issues:
         raise SchemaError(issues)
 
-    known = {f for f in DecisionRequest.__dataclass_fields__ if f != "extra"}
+    # `cache_salt` and `priority` are validated as vLLM validates them, then dropped: this server keeps no prefix
+    # cache across requests to salt, and serves in arrival order. Unknown fields are ignored (decision 3).
     return DecisionRequest(
         state=body["state"],
         questions=dict(questions),
@@ -121,8 +119,5 @@ def parse_request(body: Any) -> DecisionRequest:
         videos=body.get("videos"),
         chat_template_kwargs=body.get("chat_template_kwargs"),
         joint=body.get("joint", False),
-        cache_salt=body.get("cache_salt"),
-        priority=body.get("priority", 0),
         request_id=body.get("request_id"),
-        extra={k: v for k, v in body.items() if k not in known},
     )

@@ -1,15 +1,15 @@
-"""An exported artifact on disk: the manifest, the family contract, the tokenizer and the chat template."""
+"""An exported artifact on disk: its manifest (read through one class), the family contract, the tokenizer and
+the chat template."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..models.d1 import D1Family
-from ..models.d3 import D3Family, DecisionConfig
 from ..models.family import Family
+from ..models.registry import FAMILIES, FamilyEntry, FamilyRegistry, UnknownFamily
 from .chat_template import ChatTemplate
 from .tokenizer import PromptTokenizer
 
@@ -22,46 +22,112 @@ class ArtifactError(ValueError):
     pass
 
 
+@dataclass(frozen=True)
+class GraphEntry:
+    """One graph file of the artifact: its inputs' shapes (symbolic axes named), outputs, dtype, parity gate."""
+
+    file: str
+    inputs: dict[str, list[str | int]]
+    outputs: list[str]
+    dtype: str = "float32"
+    parity: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"file": self.file, "inputs": self.inputs, "outputs": self.outputs, "dtype": self.dtype}
+        if self.parity is not None:
+            out["parity"] = self.parity
+        return out
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """`manifest.json`: what every artifact records, and its family's own fields (`model`: the shapes and
+    settings its engine needs), which the JSON keeps at the top level beside the common ones."""
+
+    family: str
+    source: str
+    checkpoint: str
+    max_model_len: int
+    graphs: dict[str, GraphEntry]
+    parity: dict[str, Any]
+    special_tokens: dict[str, Any]
+    tokenizer_class: str
+    source_files: dict[str, str] = field(default_factory=dict)
+    opset: int = 18
+    versions: dict[str, str] = field(default_factory=dict)
+    exported_at: str = ""
+    model: dict[str, Any] = field(default_factory=dict)
+
+    COMMON = ("format", "format_version", "family", "source", "checkpoint", "max_model_len", "graphs", "parity",
+              "special_tokens", "tokenizer_class", "source_files", "opset", "versions", "exported_at")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Manifest:
+        graphs = {name: GraphEntry(**entry) for name, entry in raw["graphs"].items()}
+        return cls(family=raw["family"], source=raw["source"], checkpoint=raw.get("checkpoint", ""),
+                   max_model_len=int(raw["max_model_len"]), graphs=graphs, parity=raw.get("parity", {}),
+                   special_tokens=raw.get("special_tokens", {}), tokenizer_class=raw.get("tokenizer_class", ""),
+                   source_files=raw.get("source_files", {}), opset=int(raw.get("opset", 18)),
+                   versions=raw.get("versions", {}), exported_at=raw.get("exported_at", ""),
+                   model={k: v for k, v in raw.items() if k not in cls.COMMON})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": ARTIFACT_FORMAT, "format_version": ARTIFACT_VERSION, "family": self.family,
+                "source": self.source, "checkpoint": self.checkpoint, "source_files": self.source_files,
+                "max_model_len": self.max_model_len, "opset": self.opset, **self.model,
+                "tokenizer_class": self.tokenizer_class, "special_tokens": self.special_tokens,
+                "graphs": {name: g.to_dict() for name, g in self.graphs.items()}, "parity": self.parity,
+                "versions": self.versions, "exported_at": self.exported_at}
+
+    @classmethod
+    def read(cls, root: Path) -> Manifest:
+        path = root / MANIFEST
+        if not path.is_file():
+            raise ArtifactError(f"{root} is not an exported artifact: it has no {MANIFEST} "
+                                "(run `systemone export SRC --out DIR` first)")
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if raw.get("format") != ARTIFACT_FORMAT or raw.get("format_version") != ARTIFACT_VERSION:
+            raise ArtifactError(f"{path}: not a {ARTIFACT_FORMAT} version {ARTIFACT_VERSION} manifest")
+        try:
+            return cls.from_dict(raw)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ArtifactError(f"{path}: malformed manifest ({type(exc).__name__}: {exc})") from None
+
+    def write(self, root: Path) -> None:
+        (root / MANIFEST).write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False), encoding="utf-8")
+
+
 @dataclass
 class Artifact:
     root: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
+    entry: FamilyEntry
     family: Family
     tokenizer: PromptTokenizer
     template: ChatTemplate
 
     @property
     def source(self) -> str:
-        return self.manifest["source"]
+        return self.manifest.source
 
     @property
     def max_model_len(self) -> int:
-        return int(self.manifest["max_model_len"])
+        return self.manifest.max_model_len
 
     def graph_path(self, name: str) -> Path:
-        graphs = self.manifest["graphs"]
+        graphs = self.manifest.graphs
         if name not in graphs:
             raise ArtifactError(f"artifact {self.root} has no {name!r} graph (it has {', '.join(graphs)})")
-        return self.root / graphs[name]["file"]
+        return self.root / graphs[name].file
 
     @classmethod
-    def load(cls, root: str | Path) -> Artifact:
+    def load(cls, root: str | Path, families: FamilyRegistry = FAMILIES) -> Artifact:
         root = Path(root)
-        path = root / MANIFEST
-        if not path.is_file():
-            raise ArtifactError(f"{root} is not an exported artifact: it has no {MANIFEST} "
-                                "(run `systemone export SRC --out DIR` first)")
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        if manifest.get("format") != ARTIFACT_FORMAT or manifest.get("format_version") != ARTIFACT_VERSION:
-            raise ArtifactError(f"{path}: not a {ARTIFACT_FORMAT} version {ARTIFACT_VERSION} manifest")
-        family_name = manifest.get("family")
-        family: Family
-        if family_name == "d3":
-            family = D3Family(DecisionConfig.load(root / "decision_config.json"))
-        elif family_name == "d1":
-            family = D1Family()
-        else:
-            raise ArtifactError(f"{path}: unknown model family {family_name!r}")
-        template = ChatTemplate((root / "chat_template.jinja").read_text(encoding="utf-8"),
-                                manifest.get("special_tokens", {}))
-        return cls(root, manifest, family, PromptTokenizer(root / "tokenizer.json"), template)
+        manifest = Manifest.read(root)
+        try:
+            entry = families.get(manifest.family)
+        except UnknownFamily as exc:
+            raise ArtifactError(f"{root / MANIFEST}: {exc}") from None
+        template = ChatTemplate((root / "chat_template.jinja").read_text(encoding="utf-8"), manifest.special_tokens)
+        return cls(root, manifest, entry, entry.contract.load(root), PromptTokenizer(root / "tokenizer.json"),
+                   template)

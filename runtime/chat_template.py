@@ -38,7 +38,6 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
-        self.source = source
         self._template = env.from_string(source)
         self._special_tokens = dict(special_tokens or {})
 

@@ -1,4 +1,4 @@
-"""Fetching a request's media URLs, safe by default (spec 6.1; README decisions 1 and 6).
+"""Fetching a request's media URLs, safe by default (spec 6.1; decisions 1 and 6).
 
 http(s) and base64 `data:` URLs; `file://` only under an allowed directory; hosts that resolve to private,
 loopback, link-local or otherwise non-public addresses are refused unless allowed, checked on the address actually
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urljoin, urlsplit
 
-from ..models.errors import DecisionError
+from ..models.errors import DecisionError, TooLarge, Unreadable
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -30,11 +30,21 @@ MAX_REDIRECTS = 5
 
 
 class MediaError(DecisionError):
-    def __init__(self, where: str, message: str, status: int = 400):
-        types = {400: "BadRequestError", 413: "RequestEntityTooLarge", 415: "UnsupportedMediaType",
-                 422: "UnprocessableEntityError"}
-        super().__init__(f"media: {where}: {message}", status=status, type=types.get(status, "BadRequestError"),
-                         param="image_url" if status == 422 else None)
+    """A media input the server will not take; `where` names it ("images[0]")."""
+
+    def __init__(self, where: str, message: str, param: str | None = None):
+        super().__init__(f"media: {where}: {message}", param=param)
+
+
+class MediaTooLarge(MediaError, TooLarge):
+    pass
+
+
+class MediaUnreadable(MediaError, Unreadable):
+    """Well-formed but cannot be fetched or decoded (decision 1: a 4xx, where vLLM answers 5xx)."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(where, message, param="image_url")
 
 
 @dataclass(frozen=True)
@@ -56,10 +66,10 @@ def _public(address: str) -> bool:
 
 def _read_capped(stream, limit: int, where: str, declared: int | None = None) -> bytes:
     if declared is not None and declared > limit:
-        raise MediaError(where, f"download is larger than the {limit}-byte limit (--max-media-bytes)", 413)
+        raise MediaTooLarge(where, f"download is larger than the {limit}-byte limit (--max-media-bytes)")
     data = stream.read(limit + 1)
     if len(data) > limit:
-        raise MediaError(where, f"download is larger than the {limit}-byte limit (--max-media-bytes)", 413)
+        raise MediaTooLarge(where, f"download is larger than the {limit}-byte limit (--max-media-bytes)")
     return data
 
 
@@ -70,7 +80,7 @@ def _data_url(url: str, where: str, limit: int) -> bytes:
     if not header.lower().endswith(";base64"):
         raise MediaError(where, "Only base64 data URLs are supported for now.")
     if len(payload) > (limit * 4) // 3 + 4:
-        raise MediaError(where, f"data URL is larger than the {limit}-byte limit (--max-media-bytes)", 413)
+        raise MediaTooLarge(where, f"data URL is larger than the {limit}-byte limit (--max-media-bytes)")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -88,7 +98,7 @@ def _local_file(url: str, where: str, policy: FetchPolicy) -> bytes:
     if not path.is_relative_to(root):
         raise MediaError(where, "The file path must be a subpath of `--allowed-local-media-path`.")
     if not path.is_file():
-        raise MediaError(where, "no such file under `--allowed-local-media-path`", 422)
+        raise MediaUnreadable(where, "no such file under `--allowed-local-media-path`")
     with open(path, "rb") as f:
         return _read_capped(f, policy.max_bytes, where)
 
@@ -118,7 +128,8 @@ def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy) -> st
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise MediaError(where, f"Failed to fetch media from URL: cannot resolve host {host!r} ({exc})", 422) from None
+        raise MediaUnreadable(where, f"Failed to fetch media from URL: cannot resolve host {host!r} ({exc})"
+                              ) from None
     addresses = [info[4][0] for info in infos]
     if not policy.allow_private_hosts:
         refused = [a for a in addresses if not _public(a)]
@@ -133,14 +144,14 @@ def _http(url: str, where: str, timeout: float, policy: FetchPolicy) -> bytes:
         parts = urlsplit(url)
         host = parts.hostname
         if not host:
-            raise MediaError(where, "Failed to fetch media from URL: Invalid URL", 422)
+            raise MediaUnreadable(where, "Failed to fetch media from URL: Invalid URL")
         if policy.allowed_domains is not None and host not in policy.allowed_domains:
             raise MediaError(where, f"The URL must be from one of the allowed domains: "
                                     f"{sorted(policy.allowed_domains)}. Input URL domain: {host}")
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
-            raise MediaError(where, "Failed to fetch media from URL: Invalid URL", 422) from None
+            raise MediaUnreadable(where, "Failed to fetch media from URL: Invalid URL") from None
         address = _vetted_address(host, port, where, policy)
         connection_class = _PinnedHTTPSConnection if parts.scheme == "https" else _PinnedHTTPConnection
         connection = connection_class(host, address, port, timeout)
@@ -156,15 +167,15 @@ def _http(url: str, where: str, timeout: float, policy: FetchPolicy) -> bytes:
                     raise MediaError(where, "redirected to a URL that is not http(s)")
                 continue
             if response.status >= 400:
-                raise MediaError(where, f"Failed to fetch media from URL: HTTP {response.status} error", 422)
+                raise MediaUnreadable(where, f"Failed to fetch media from URL: HTTP {response.status} error")
             length = response.getheader("Content-Length")
             declared = int(length) if length and length.isdigit() else None
             return _read_capped(response, policy.max_bytes, where, declared)
         except (OSError, http.client.HTTPException) as exc:
-            raise MediaError(where, f"Failed to fetch media from URL: {type(exc).__name__}: {exc}", 422) from None
+            raise MediaUnreadable(where, f"Failed to fetch media from URL: {type(exc).__name__}: {exc}") from None
         finally:
             connection.close()
-    raise MediaError(where, f"Failed to fetch media from URL: more than {MAX_REDIRECTS} redirects", 422)
+    raise MediaUnreadable(where, f"Failed to fetch media from URL: more than {MAX_REDIRECTS} redirects")
 
 
 def fetch(url: str, where: str, kind: str, policy: FetchPolicy) -> bytes:
@@ -180,9 +191,9 @@ def fetch(url: str, where: str, kind: str, policy: FetchPolicy) -> bytes:
     raise MediaError(where, "The URL must be either a HTTP, data or file URL.")
 
 
-def read_each_once(jobs: Sequence[tuple[K, str]], read: Callable[[K, str], T], workers: int = 8) -> dict[K, T]:
+def load_each_once(jobs: Sequence[tuple[K, str]], read: Callable[[K, str], T], workers: int = 8) -> dict[K, T]:
     """Each distinct key of `jobs` ((key, where) in request order) read once, concurrently, named by the first
-    place it stands (README decision 6: the same URL twice is fetched and decoded once)."""
+    place it stands (decision 6: the same URL twice is fetched and decoded once)."""
     first: dict[K, str] = {}
     for key, where in jobs:
         first.setdefault(key, where)

@@ -1,8 +1,9 @@
-"""One request end to end: body -> checks (spec 1.3) -> family engine (prompts, graph runs, reads) -> answers (5).
+"""One request end to end: body -> checks (spec 1.3) -> family engine (prompts, graph runs) -> reads -> answers
+(spec 5).
 
-Data flows one way: the request is parsed and validated, the family's engine renders each question's prompt with
-the artifact's template and tokenizer, runs the graphs and returns one read per question, and each read becomes
-its answer.
+Data flows one way: the body is parsed and validated, the family's engine prepares each question's prompt and
+labels (everything that can refuse the request happens here, before any graph runs), then runs its graphs and
+returns one readout per question, which the family reads and the question type turns into its answer.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..models.errors import DecisionError, ModelNotFound
-from ..models.family import build_answer
+from ..models.errors import DecisionError, ModelNotFound, NotSupported
 from ..models.questions import Question, parse_questions
 from ..models.request import DecisionRequest, parse_request
 from .artifact import Artifact
-from .media_fetch import FetchPolicy
+from .engine import Engine, EngineOptions, Prepared
 from .prompt import RenderedPrompt
 
 RESPONSE_OBJECT = "structured_decision"
@@ -39,22 +39,16 @@ def new_request_id() -> str:
 class DecisionService:
     """Answers `/v1/systemone` bodies for one artifact on one device."""
 
-    def __init__(self, artifact: Artifact, device: str = "auto", served_model_names: list[str] | None = None,
-                 max_model_len: int | None = None, max_batch_tokens: int = 32768, threads: int | None = None,
-                 attention_budget: int = 4 << 30, fetch_policy: FetchPolicy | None = None,
-                 media_limits: MediaLimits | None = None):
-        from .d1_engine import D1Engine
-        from .d3_engine import D3Engine
-
+    def __init__(self, artifact: Artifact, options: EngineOptions | None = None,
+                 served_model_names: list[str] | None = None, media_limits: MediaLimits | None = None):
+        options = options or EngineOptions()
+        if options.max_model_len and options.max_model_len > artifact.max_model_len:
+            raise ValueError(f"max_model_len={options.max_model_len} is more than the model's "
+                             f"{artifact.max_model_len} positions")
         self.artifact = artifact
         self.family = artifact.family
         self.served_model_names = served_model_names or [artifact.source]
-        if max_model_len and max_model_len > artifact.max_model_len:
-            raise ValueError(f"max_model_len={max_model_len} is more than the model's "
-                             f"{artifact.max_model_len} positions")
-        engine = {"d1": D1Engine, "d3": D3Engine}[self.family.name]
-        self.engine = engine(artifact, device, max_model_len, max_batch_tokens, threads, attention_budget,
-                             fetch_policy or FetchPolicy())
+        self.engine: Engine = artifact.entry.load_engine()(artifact, options)
         self.media_limits = media_limits or MediaLimits()
 
     @property
@@ -72,9 +66,8 @@ class DecisionService:
     # -- validation (spec 1.3 steps 1-8) ---------------------------------------------------------------------
     def validate(self, body: Any) -> tuple[DecisionRequest, list[Question]]:
         if self.engine.unsupported:
-            # Spec 1.1: a model whose read cannot work answers 501 on every call.
-            raise DecisionError("The model does not support the structured decision API", status=501,
-                                type="NotImplementedError")
+            # Spec 1.1: a model whose read cannot work refuses every call.
+            raise NotSupported("The model does not support the structured decision API")
         request = parse_request(body)
         if request.model and request.model not in self.served_model_names:
             raise ModelNotFound(request.model, self.served_model_names)
@@ -92,35 +85,38 @@ class DecisionService:
         self.family.check_request(request, questions)
         return request, questions
 
+    def prepare(self, body: Any) -> Prepared:
+        """Every check the request must pass, media read, prompts and labels ready; no graph has run."""
+        return self.engine.prepare(*self.validate(body))
+
     # -- prompts ----------------------------------------------------------------------------------------------
     def render(self, body: Any) -> list[RenderedPrompt]:
         """Every question's prompt as the model would read it (media fetched and expanded)."""
-        request, questions = self.validate(body)
-        return self.engine.prompts(request, questions)
+        return self.prepare(body).prompts
 
     # -- the whole request (spec 5) --------------------------------------------------------------------------
     def decide(self, body: Any, header_request_id: str | None = None, run_options: Any = None) -> dict[str, Any]:
         """Answer one body; `run_options` (onnxruntime RunOptions) lets the caller stop the run in flight."""
-        request, questions = self.validate(body)
-        return self.answer(request, questions, header_request_id, run_options)
+        return self.answer(self.prepare(body), header_request_id, run_options)
 
-    def answer(self, request: DecisionRequest, questions: list[Question], header_request_id: str | None = None,
+    def answer(self, prepared: Prepared, header_request_id: str | None = None,
                run_options: Any = None) -> dict[str, Any]:
-        """Answer a request that `validate` accepted: the family engine's reads, then the answers."""
-        reads, prompts = self.engine.reads(request, questions, run_options)
+        """Run a prepared request's graphs; each question's read, then its answer."""
+        readouts = self.engine.run(prepared, run_options)
         answers, diagnostics = {}, {}
-        for question, read in zip(questions, reads):
-            answers[question.id] = build_answer(question, read)
+        for question, labels, readout in zip(prepared.questions, prepared.labels, readouts):
+            read = self.family.read(question, labels, readout)
+            answers[question.id] = question.answer(read)
             diagnostics[question.id] = {"label_mass": read.label_mass, "argmax_is_label": read.argmax_is_label}
-        request_id = header_request_id or request.request_id or new_request_id()
+        request_id = header_request_id or prepared.request.request_id or new_request_id()
         return {
             "id": ID_PREFIX + request_id,
             "object": RESPONSE_OBJECT,
             "created": int(time.time()),
             "model": self.model_name,
             "answers": answers,
-            "usage": {"input_tokens": sum(len(p.token_ids) for p in prompts),
-                      "output_tokens": self.family.output_tokens(questions)},
+            "usage": {"input_tokens": sum(len(p.token_ids) for p in prepared.prompts),
+                      "output_tokens": self.family.output_tokens(prepared.questions)},
             "diagnostics": diagnostics,
             "joint": None,
         }

@@ -10,152 +10,21 @@ with and without prefix reuse, and the torch model question by question.
 
 from __future__ import annotations
 
-import base64
-import io
 from typing import Any
 
-import numpy as np
 
-# Spec 3.8's example sizes: 640x480 (one crop), 200x100 (one upscaled crop), 1024x1024 (2x2 tiles), 2000x1000 and
-# 1920x1080 (capped to 1448x724 and 1365x768, then 2x1 tiles).
-IMAGE_SIZES = ((640, 480), (200, 100), (1024, 1024), (2000, 1000), (1920, 1080))
-STATES = [None, "The parcel arrived crushed and the customer wants a refund.", {"error": "Disk at 98%", "host": "db1"},
-          "नमस्ते — एक छोटा संदेश", ["a", 1, {"b": None}], "x" * 300, "", {"tickets": list(range(40))}]
-
-
-def image_url(width: int, height: int, seed: int = 0) -> str:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), (x * 3 + y) % 256], axis=-1)
-    rgb = np.clip(rgb + rng.integers(-20, 21, rgb.shape), 0, 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(rgb).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def question_set(seed: int) -> dict[str, Any]:
-    """Three questions, one per type: 1 to 26 choice options (single-letter names on some), 2 to 10 levels."""
-    rng = np.random.default_rng(seed)
-    n_choice = int(rng.integers(1, 27))
-    names = ([chr(ord("a") + i) for i in range(n_choice)] if seed % 3 == 0
-             else [f"option_{i}" for i in range(n_choice)])
-    levels = int(rng.integers(2, 11))
-    return {
-        f"noul-{seed}": {"type": "noul", "instructions": f"Is case {seed} urgent?",
-                         "criteria": {"true": "yes, today"} if seed % 2 else None},
-        f"choice-{seed}": {"type": "choice", "instructions": "Which option fits?",
-                           "criteria": {name: (f"about {i}" if i % 2 else None) for i, name in enumerate(names)}},
-        f"score-{seed}": {"type": "score", "criteria": [f"level {i}" for i in range(levels)]},
-    }
-
-
-def parity_requests(count: int = 70, image_every: int = 3) -> list[dict[str, Any]]:
-    """`count` requests of three questions; every `image_every`-th carries one of spec 3.8's image sizes (and
-    some a second image), some carry a system turn."""
-    requests = []
-    for i in range(count):
-        body: dict[str, Any] = {"state": STATES[i % len(STATES)], "questions": question_set(i)}
-        if i % 4 == 1:
-            body["instructions"] = "Answer for the support desk."
-        if i % image_every == 0:
-            k = (i // image_every) % len(IMAGE_SIZES)
-            body["images"] = [image_url(*IMAGE_SIZES[k], seed=i)]
-            if k == 1:
-                body["images"].append(image_url(*IMAGE_SIZES[0], seed=i + 1))
-        requests.append(body)
-    return requests
-
-
-def torch_pixels(service, body: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """The request's images as LFM2-VL's processor hands them to the model (crops padded to one patch count with
-    a pixel attention mask, spatial shapes), built from the runtime's own numpy preprocessing."""
-    from PIL import Image
-
-    from systemone.runtime.lfm2_image import cap_pixels, lfm2_image
-    from systemone.runtime.media_decode import decode_image
-    from systemone.runtime.media_fetch import fetch
-
-    media = service.engine.media
-    crops = []
-    for i, url in enumerate(body.get("images") or ()):
-        rgb = decode_image(fetch(url, f"images[{i}]", "image", media.policy), f"images[{i}]")
-        crops += lfm2_image(np.asarray(cap_pixels(Image.fromarray(rgb))), media.config).crops
-    if not crops:
-        return None
-    width = max(len(c.patches) for c in crops)
-    pixels = np.zeros((len(crops), width, crops[0].patches.shape[1]), np.float32)
-    mask = np.zeros((len(crops), width), np.int32)
-    for k, crop in enumerate(crops):
-        pixels[k, :len(crop.patches)] = crop.patches
-        mask[k, :len(crop.patches)] = 1
-    return {"pixel_values": pixels, "pixel_attention_mask": mask,
-            "spatial_shapes": np.array([c.grid for c in crops], np.int64)}
-
-
-def torch_reads(service, reference, body: dict[str, Any]) -> dict[str, Any]:
-    """The torch model on each question's whole prompt, read as spec 3.7 reads."""
-    request, questions = service.validate(body)
-    prompts = service.engine.prompts(request, questions)
-    pixels = torch_pixels(service, body)
-    family, encode = service.family, service.artifact.tokenizer.encode
-    reads = {}
-    for prompt in prompts:
-        logprobs = reference.reference_logprobs(prompt.token_ids, pixels=pixels)
-        groups = family.label_groups(prompt.question, encode)
-        reads[prompt.question.id] = family.read(prompt.question, groups, {i: float(logprobs[i]) for i in groups.ids},
-                                                int(np.argmax(logprobs)))
-    return reads
-
-
-def compare(service, reference, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    """ONNX (prefix reuse) vs torch (whole prompts): picks, max |dp|, max |d label_mass|, argmax_is_label."""
-    from systemone.models.family import first_argmax
-
-    count, with_images, worst_p, worst_mass, differing, argmax_differing, tops = 0, 0, 0.0, 0.0, [], [], []
-    for body in requests:
-        want = torch_reads(service, reference, body)
-        request, questions = service.validate(body)
-        got, _ = service.engine.reads(request, questions)
-        for question, read in zip(questions, got):
-            ref = want[question.id]
-            if first_argmax(read.probs) != first_argmax(ref.probs):
-                differing.append(question.id)
-            if read.argmax_is_label != ref.argmax_is_label:
-                argmax_differing.append(question.id)
-            worst_p = max(worst_p, float(np.abs(np.array(read.probs) - np.array(ref.probs)).max()))
-            worst_mass = max(worst_mass, abs(read.label_mass - ref.label_mass))
-            tops.append(max(ref.probs))
-            count += 1
-            with_images += bool(body.get("images"))
-    return {"questions": count, "questions_with_images": with_images, "picks_differing": differing,
-            "argmax_is_label_differing": argmax_differing, "max_abs_dp": worst_p,
-            "max_abs_d_label_mass": worst_mass, "median_top_probability": float(np.median(tops))}
-
-
-def sixteen_questions(with_image: bool = True) -> dict[str, Any]:
-    """One request of 16 questions over a long JSON state (and a 1024x1024 image): the shape prefix reuse is for."""
-    questions: dict[str, Any] = {}
-    for seed in range(6):
-        questions.update(question_set(seed))
-    state = {"ticket": "Charged twice for order 1234", "tier": "gold",
-             "history": [{"at": f"2026-11-{d:02d}", "note": f"customer wrote about invoice {d * 37}"} for d in range(1, 29)]}
-    body: dict[str, Any] = {"state": state, "questions": dict(list(questions.items())[:16])}
-    if with_image:
-        body["images"] = [image_url(1024, 1024, seed=7)]
-    return body
+from systemone.export.d1.answer_parity import compare, onnx_reads, parity_requests, sixteen_questions, torch_pixels
 
 
 def time_prefix_reuse(service, reference, body: dict[str, Any], repeats: int = 5) -> dict[str, Any]:
-    """Wall time of one request's reads (media encoded once in both) with and without prefix reuse, and the torch
-    model on each whole prompt, side by side."""
+    """Wall time of one request's graph runs and reads (media fetched and preprocessed once, before timing; encoded
+    once per run in both) with and without prefix reuse, and the torch model on each whole prompt, side by side."""
     import torch
 
     from scripts.timing import median_seconds
 
-    request, questions = service.validate(body)
-    prompts = service.engine.prompts(request, questions)
+    prepared = service.prepare(body)
+    prompts = prepared.prompts
     pixels = torch_pixels(service, body)
 
     def torch_run():
@@ -164,10 +33,10 @@ def time_prefix_reuse(service, reference, body: dict[str, Any], repeats: int = 5
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    reuse = median_seconds(lambda: service.engine.reads(request, questions, reuse_prefix=True), repeats)
-    whole = median_seconds(lambda: service.engine.reads(request, questions, reuse_prefix=False), repeats)
+    reuse = median_seconds(lambda: onnx_reads(service, prepared, reuse_prefix=True), repeats)
+    whole = median_seconds(lambda: onnx_reads(service, prepared, reuse_prefix=False), repeats)
     torch_s = median_seconds(torch_run, max(1, repeats // 2))
-    from systemone.runtime.d1_engine import shared_prefix
+    from systemone.runtime.d1.engine import shared_prefix
 
     return {"questions": len(prompts), "prompt_tokens": sum(len(p.token_ids) for p in prompts),
             "shared_prefix_tokens": shared_prefix([p.token_ids for p in prompts]),
@@ -183,9 +52,10 @@ def main() -> None:
 
     sys.path.append(str(Path(__file__).resolve().parents[1]))
     from scripts.build_d1_checkpoint import SIZES, build_d1_checkpoint
-    from systemone.export.d1 import D1ExportConfig
+    from systemone.export.d1.config import D1ExportConfig
     from systemone.export.pipeline import export_checkpoint
     from systemone.runtime.artifact import Artifact
+    from systemone.runtime.engine import EngineOptions
     from systemone.runtime.service import DecisionService
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,7 +76,7 @@ def main() -> None:
         export_checkpoint(str(checkpoint), artifact, overwrite=True)
     if args.export_only:
         return
-    service = DecisionService(Artifact.load(artifact), device=args.device)
+    service = DecisionService(Artifact.load(artifact), EngineOptions(device=args.device))
     reference = D1ExportConfig(checkpoint)
     if args.device == "cuda":
         reference.model.to("cuda")

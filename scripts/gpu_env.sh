@@ -7,6 +7,6 @@ if [ ! -d ~/site/onnxruntime ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site "$wheel" .device/wheels/*.whl
 fi
 mkdir -p ~/pkg/systemone
-cp systemone/__init__.py ~/pkg/systemone/
+cp systemone/*.py ~/pkg/systemone/
 for d in export runtime models server; do ln -sfn "$PWD/$d" ~/pkg/systemone/$d; done
 export PYTHONPATH=~/site:~/pkg:$PWD

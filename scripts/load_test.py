@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "systemone.server.cli", "serve", args.artifact, "--device", "cpu",
+    server = subprocess.Popen([sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu",
                                "--port", str(port), "--max-concurrency", str(args.max_concurrency),
                                "--max-queue", str(args.max_queue), "--log-level", "warning"],
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})

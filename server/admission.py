@@ -8,15 +8,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-from ..models.errors import DecisionError
+from ..models.errors import Unavailable
 
 T = TypeVar("T")
 
 
-class Overloaded(DecisionError):
-    def __init__(self, message: str, retry_after: int):
-        super().__init__(message, status=503, type="ServiceUnavailableError")
-        self.retry_after = retry_after
+class Overloaded(Unavailable):
+    pass
 
 
 class ClientGone(Exception):

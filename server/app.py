@@ -20,10 +20,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..models.errors import DecisionError, SchemaError
+from ..runtime.engine import Prepared
 from ..runtime.service import DecisionService
-from .admission import Admission, ClientGone, Overloaded
+from .admission import Admission, ClientGone
 from .auth import Unauthorized, check_bearer
-from .body import decode_content, parse_json, read_capped
+from .body import NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
 
@@ -55,7 +56,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     admission = Admission(options.max_concurrency, options.max_queue, options.request_timeout_s)
     metrics = Metrics()
     started = int(time.time())
-    release_date = str(service.artifact.manifest.get("exported_at", ""))[:10]
+    release_date = service.artifact.manifest.exported_at[:10]
 
     def unauthorized(exc: Unauthorized) -> JSONResponse:
         return error_response(401, str(exc), "AuthenticationError", headers={"WWW-Authenticate": "Bearer"})
@@ -107,9 +108,6 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             response = unauthorized(exc)
         except SchemaError as exc:
             response = schema_error_response(exc)
-        except Overloaded as exc:
-            response = decision_error_response(exc)
-            response.headers["Retry-After"] = str(exc.retry_after)
         except DecisionError as exc:
             response = decision_error_response(exc)
         except ClientGone:
@@ -126,24 +124,24 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     async def _answer(request: Request, request_id: str | None) -> dict[str, Any]:
         check_bearer(request.headers.get("authorization"), options.api_key)
         if not _is_json(request.headers.get("content-type")):
-            raise DecisionError(UNSUPPORTED_MEDIA_MESSAGE, type="Bad Request")
+            raise NotJson(UNSUPPORTED_MEDIA_MESSAGE)
         raw = await read_capped(request.stream(), request.headers.get("content-length"), options.max_body_bytes)
 
-        def read_and_validate(raw: bytes):
+        def read_and_prepare(raw: bytes) -> Prepared:
             body = parse_json(decode_content(raw, request.headers.get("content-encoding"), options.max_body_bytes))
             if options.log_requests:
                 log.info("request %s body %s", request_id or "-", json.dumps(body, ensure_ascii=False)[:10000])
-            return service.validate(body)
+            return service.prepare(body)
 
-        # Bad requests are refused here, before they take an inference slot.
-        decision_request, questions = await asyncio.to_thread(read_and_validate, raw)
+        # Every check runs here (media read, prompts and labels included), before the request takes a slot.
+        prepared = await asyncio.to_thread(read_and_prepare, raw)
         run_options = ort.RunOptions()
 
         def stop() -> None:
             run_options.terminate = True
 
         return await admission.run(
-            lambda: asyncio.to_thread(service.answer, decision_request, questions, request_id, run_options),
+            lambda: asyncio.to_thread(service.answer, prepared, request_id, run_options),
             request.is_disconnected, stop)
 
     app.state.admission = admission

@@ -1,4 +1,4 @@
-"""API keys: `Authorization: Bearer KEY`, compared in constant time (README decision 5)."""
+"""API keys: `Authorization: Bearer KEY`, compared in constant time (decision 5)."""
 
 from __future__ import annotations
 

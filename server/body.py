@@ -13,22 +13,24 @@ from typing import Any
 
 import zstandard
 
-from ..models.errors import DecisionError, SchemaError, SchemaIssue
+from ..models.errors import DecisionError, SchemaError, SchemaIssue, TooLarge, UnsupportedEncoding
 
 ENCODINGS = ("identity", "gzip", "x-gzip", "zstd")
 MAX_DEPTH = 256  # JSON nesting levels; deeper documents are refused before Python's recursion limits bite
 
 
-class BodyTooLarge(DecisionError):
+class NotJson(DecisionError):
+    """A body whose Content-Type is not JSON (FastAPI's own 400)."""
+
+
+class BodyTooLarge(TooLarge):
     def __init__(self, limit: int, what: str = "request body"):
-        super().__init__(f"{what} is larger than this server's limit of {limit} bytes (--max-body-bytes)",
-                         status=413, type="RequestEntityTooLarge")
+        super().__init__(f"{what} is larger than this server's limit of {limit} bytes (--max-body-bytes)")
 
 
-class UnsupportedEncoding(DecisionError):
+class BodyEncoding(UnsupportedEncoding):
     def __init__(self, encoding: str):
-        super().__init__(f"Content-Encoding {encoding!r} is not supported; use one of zstd, gzip, identity",
-                         status=415, type="UnsupportedMediaType")
+        super().__init__(f"Content-Encoding {encoding!r} is not supported; use one of zstd, gzip, identity")
 
 
 async def read_capped(chunks: AsyncIterator[bytes], declared: str | None, limit: int) -> bytes:
@@ -77,7 +79,7 @@ def decode_content(raw: bytes, encoding_header: str | None, limit: int) -> bytes
     encodings = [e.strip().lower() for e in (encoding_header or "").split(",") if e.strip()]
     for encoding in reversed(encodings):
         if encoding not in ENCODINGS:
-            raise UnsupportedEncoding(encoding)
+            raise BodyEncoding(encoding)
         if encoding in ("gzip", "x-gzip"):
             raw = _inflate_gzip(raw, limit)
         elif encoding == "zstd":

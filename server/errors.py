@@ -1,4 +1,4 @@
-"""Error bodies that serve both client families (README decision 2, spec 1.4).
+"""Error bodies that serve both client families (decision 2, spec 1.4).
 
 Semantic errors: vLLM's status and message, in `{"error": {...}, "detail": {"error_type", "message"}}`.
 Schema errors: 422 in FastAPI's `{"detail": [{"loc", "msg", "type"}]}` shape.
@@ -11,7 +11,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from ..models.errors import DecisionError, SchemaError
+from ..models.errors import (DecisionError, ModelNotFound, NotSupported, SchemaError, TooLarge, Unavailable,
+                             UnsupportedEncoding, Unreadable)
+from .body import NotJson
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 415: "unsupported_media_type", 422: "unprocessable_entity_error",
@@ -40,8 +42,28 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
     return JSONResponse(error_body(status, sanitize(message), type, param), status_code=status, headers=headers)
 
 
+# Each domain error's HTTP status and OpenAI-style type; the first class of the error's MRO listed here wins.
+STATUSES: dict[type[DecisionError], tuple[int, str]] = {
+    ModelNotFound: (404, "NotFoundError"),
+    NotSupported: (501, "NotImplementedError"),
+    TooLarge: (413, "RequestEntityTooLarge"),
+    UnsupportedEncoding: (415, "UnsupportedMediaType"),
+    Unreadable: (422, "UnprocessableEntityError"),
+    Unavailable: (503, "ServiceUnavailableError"),
+    NotJson: (400, "Bad Request"),
+    DecisionError: (400, "BadRequestError"),
+}
+
+
+def http_status(exc: DecisionError) -> tuple[int, str]:
+    """The status and type a domain error is answered with."""
+    return next(STATUSES[cls] for cls in type(exc).__mro__ if cls in STATUSES)
+
+
 def decision_error_response(exc: DecisionError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.type, exc.param)
+    status, kind = http_status(exc)
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Unavailable) else None
+    return error_response(status, exc.message, kind, exc.param, headers=headers)
 
 
 def schema_error_response(exc: SchemaError) -> JSONResponse:

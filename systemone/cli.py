@@ -1,4 +1,6 @@
-"""`systemone`: export a checkpoint, serve an artifact, ask it one request, or show what it reads."""
+"""`systemone`: export a checkpoint, serve an artifact, ask it one request, or show what it reads.
+
+It sits above export/, runtime/ and server/ (it drives all three), so it lives in the top package."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from ..runtime.session import DEVICES
+from .runtime.session import DEVICES
 
 API_KEY_ENV = "SYSTEMONE_API_KEY"
 
@@ -20,27 +22,29 @@ def _load_request(path: str) -> Any:
 
 
 def _service(args: argparse.Namespace):
-    from ..runtime.artifact import Artifact
-    from ..runtime.media_fetch import FetchPolicy
-    from ..runtime.service import DecisionService, MediaLimits
+    from .runtime.artifact import Artifact
+    from .runtime.media_fetch import FetchPolicy
+    from .runtime.engine import EngineOptions
+    from .runtime.service import DecisionService, MediaLimits
 
     policy = FetchPolicy(
         allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
         allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
         allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes)
-    return DecisionService(Artifact.load(args.artifact), device=args.device,
-                           served_model_names=args.served_model_name or None, max_model_len=args.max_model_len,
-                           fetch_policy=policy, media_limits=MediaLimits(args.limit_images, args.limit_videos))
+    options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy)
+    return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
+                           media_limits=MediaLimits(args.limit_images, args.limit_videos))
 
 
 def _print_error(exc: Exception) -> int:
-    from ..models.errors import DecisionError, SchemaError
-    from ..server.errors import error_body
+    from .models.errors import DecisionError, SchemaError
+    from .server.errors import error_body, http_status
 
     if isinstance(exc, SchemaError):
         body: Any = {"detail": [i.as_dict() for i in exc.issues]}
     elif isinstance(exc, DecisionError):
-        body = error_body(exc.status, exc.message, exc.type, exc.param)
+        status, kind = http_status(exc)
+        body = error_body(status, exc.message, kind, exc.param)
     else:
         raise exc
     print(json.dumps(body, ensure_ascii=False, indent=2))
@@ -48,7 +52,7 @@ def _print_error(exc: Exception) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ..export.pipeline import export_checkpoint
+    from .export.pipeline import export_checkpoint
 
     export_checkpoint(args.source, args.out, revision=args.revision, atol=args.atol, prob_atol=args.prob_atol,
                       overwrite=args.overwrite)
@@ -61,8 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from ..server.app import ServerOptions, create_app
-    from ..server.auth import is_loopback
+    from .server.app import ServerOptions, create_app
+    from .server.auth import is_loopback
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is None and not is_loopback(args.host) and not args.allow_unauthenticated:
@@ -81,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _print_result(args: argparse.Namespace, produce: Callable[[Any, Any], Any]) -> int:
     """Load the artifact and the request, print `produce(service, body)` as JSON (or the error body, exit 1)."""
-    from ..models.errors import DecisionError, SchemaError
+    from .models.errors import DecisionError, SchemaError
 
     service = _service(args)
     try:

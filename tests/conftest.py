@@ -10,6 +10,7 @@ from scripts.build_d1_checkpoint import build_d1_checkpoint
 from scripts.build_d3_checkpoint import build_d3_checkpoint
 from systemone.export.pipeline import export_checkpoint
 from systemone.runtime.artifact import Artifact
+from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 
 
@@ -35,7 +36,8 @@ def d3_causal_artifact(d3_causal_checkpoint, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def d3_service(d3_artifact) -> DecisionService:
-    return DecisionService(Artifact.load(d3_artifact), device="cpu", served_model_names=["vllm-sr/d3-tiny"])
+    return DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"),
+                           served_model_names=["vllm-sr/d3-tiny"])
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +60,8 @@ def d1_artifact(d1_checkpoint, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def d1_service(d1_artifact) -> DecisionService:
-    return DecisionService(Artifact.load(d1_artifact), device="cpu", served_model_names=["LiquidAI/d1-tiny"])
+    return DecisionService(Artifact.load(d1_artifact), EngineOptions(device="cpu"),
+                           served_model_names=["LiquidAI/d1-tiny"])
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ def post(client, body, **kwargs):
 
 
 def assert_error(response, status, message, param=None):
-    """Semantic errors: vLLM's status and message, in both client families' shapes (README decision 2)."""
+    """Semantic errors: vLLM's status and message, in both client families' shapes (decision 2)."""
     assert response.status_code == status, response.text
     body = response.json()
     assert body["error"]["code"] == status

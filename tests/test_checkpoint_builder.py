@@ -1,4 +1,4 @@
-"""The tiny d3 checkpoint is in the released on-disk format (issue 2 item 2; spec 4.1, 4.2, 4.14)."""
+"""The tiny d3 checkpoint is in the released on-disk format (spec 4.1, 4.2, 4.14)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from systemone.export.d3 import is_d3_checkpoint
+from systemone.models.registry import FAMILIES
 
 
 def test_config_is_a_bare_qwen3_5_model(d3_checkpoint):
@@ -15,7 +15,7 @@ def test_config_is_a_bare_qwen3_5_model(d3_checkpoint):
     assert config["architectures"] == ["Qwen3_5Model"] and config["model_type"] == "qwen3_5"
     assert {"linear_attention", "full_attention"} == set(config["text_config"]["layer_types"])
     assert config["vision_config"]["patch_size"] == 16 and config["vision_config"]["spatial_merge_size"] == 2
-    assert is_d3_checkpoint(d3_checkpoint)
+    assert FAMILIES.recognise(d3_checkpoint).name == "d3"
 
 
 def test_weights_use_language_model_and_visual_names(d3_checkpoint):

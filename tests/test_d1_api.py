@@ -7,6 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from systemone.runtime.artifact import Artifact
+from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from systemone.server.app import create_app
 from tests.http_helpers import assert_error, post
@@ -79,7 +80,7 @@ def test_joint_is_refused(client):
     ("data:image/png,AAAA", 400, "Only base64 data URLs are supported"),
 ])
 def test_bad_images_are_4xx(client, url, status, message):
-    """Spec 7.6 cases 17-20 with README decision 1 (never a 5xx for client input)."""
+    """Spec 7.6 cases 17-20 with decision 1 (never a 5xx for client input)."""
     response = post(client, {"state": None, "questions": {"q": NOUL}, "images": [url]})
     assert response.status_code == status, response.text
     assert message in response.json()["error"]["message"]
@@ -144,7 +145,8 @@ def test_prompt_length_limits(d1_artifact, d1_service):
     n = len(prompt.token_ids)
 
     def client_for(m):
-        return TestClient(create_app(DecisionService(Artifact.load(d1_artifact), "cpu", max_model_len=m)))
+        return TestClient(create_app(DecisionService(Artifact.load(d1_artifact),
+                                                    EngineOptions(device="cpu", max_model_len=m))))
 
     assert post(client_for(n + 1), body).status_code == 200
     assert_error(post(client_for(n), body), 400, f"The decoder prompt (length {n}) plus the number of requested "

@@ -1,5 +1,5 @@
-"""d1 checkpoint format, export gates, images read once, and the startup label check (issue 5 items 1-4;
-spec 3.5, 3.8, 3.10; README decision 6)."""
+"""d1 checkpoint format, export gates, images read once, and the startup label check (spec 3.5, 3.8, 3.10;
+decision 6)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ import pytest
 from safetensors import safe_open
 
 from scripts.build_d1_checkpoint import image_token_names
-from systemone.export.d1 import D1ExportConfig, is_d1_checkpoint
+from systemone.export.d1.config import D1ExportConfig
 from systemone.export.pipeline import ParityError, export_checkpoint
 from systemone.models.errors import DecisionError
+from systemone.models.registry import FAMILIES
 from systemone.runtime.artifact import Artifact
+from systemone.runtime.engine import EngineOptions
 from systemone.runtime.media_fetch import FetchPolicy
 from systemone.runtime.service import DecisionService
+from systemone.server.errors import http_status
 from tests.media_helpers import CountingServer, data_url, gradient_png
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
@@ -36,7 +39,7 @@ def test_checkpoint_is_an_lfm2_vl_in_the_released_layout(d1_checkpoint):
     assert {".".join(n.split(".")[:2]) for n in names} == {"model.language_model", "model.vision_tower",
                                                             "model.multi_modal_projector"}
     assert any(".conv.in_proj." in n for n in names) and any(".self_attn.q_layernorm." in n for n in names)
-    assert is_d1_checkpoint(d1_checkpoint)
+    assert FAMILIES.recognise(d1_checkpoint).name == "d1"
 
 
 def test_processor_config_has_the_lfm2_vl_defaults(d1_checkpoint):
@@ -81,12 +84,13 @@ def test_export_writes_nothing_when_the_text_graph_disagrees(d1_checkpoint, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
-# -- images, once per request (README decision 6) -----------------------------------------------------------
+# -- images, once per request (decision 6) -----------------------------------------------------------
 def test_images_are_fetched_and_encoded_once_per_request(d1_artifact):
     """6 questions over 2 images: one GET per URL; the vision graph runs once per crop grid group (a 2x2-tiled
     1024x1024 image: its four 512 tiles together, then the thumbnail; a 640x480 image: one crop)."""
     server = CountingServer({"a.png": gradient_png(1024, 1024), "b.png": gradient_png(640, 480)})
-    service = DecisionService(Artifact.load(d1_artifact), "cpu", fetch_policy=FetchPolicy(allow_private_hosts=True))
+    options = EngineOptions(device="cpu", fetch_policy=FetchPolicy(allow_private_hosts=True))
+    service = DecisionService(Artifact.load(d1_artifact), options)
     questions = {f"q{i}": [NOUL, {"type": "score", "criteria": ["a", "b", "c"]}][i % 2] for i in range(6)}
     with server.running():
         before = service.engine.vision_session.runs
@@ -96,7 +100,10 @@ def test_images_are_fetched_and_encoded_once_per_request(d1_artifact):
         assert dict(server.gets) == {"a.png": 1, "b.png": 1}
         assert service.engine.vision_session.runs - before == 2 + 1
         before = service.engine.vision_session.runs
-        (prompt,) = service.render({"state": "x", "images": [f"{server.url}/b.png"] * 2, "questions": {"q": NOUL}})
+        # Prepared reads the media; the vision graph runs when the request is answered.
+        prepared = service.prepare({"state": "x", "images": [f"{server.url}/b.png"] * 2, "questions": {"q": NOUL}})
+        service.answer(prepared)
+        (prompt,) = prepared.prompts
     assert server.gets["b.png"] == 2 and service.engine.vision_session.runs - before == 1
     assert prompt.token_ids.count(396) == 2 * 234
 
@@ -131,11 +138,12 @@ def test_a_template_whose_labels_merge_with_the_tail_disables_the_endpoint(d1_ar
     """Spec 3.5 / 1.1: the generation tail "assistant: " makes " A" one token with the space, so a generic label is
     not one token after the tail: every call answers 501 NotImplementedError."""
     template = (d1_artifact / "chat_template.jinja").read_text().replace("assistant\\n", "assistant: ")
-    service = DecisionService(Artifact.load(_artifact_copy(d1_artifact, tmp_path, template)), "cpu")
+    service = DecisionService(Artifact.load(_artifact_copy(d1_artifact, tmp_path, template)),
+                              EngineOptions(device="cpu"))
     assert service.engine.unsupported
     with pytest.raises(DecisionError, match="does not support the structured decision API") as info:
         service.decide({"state": None, "questions": {"q": NOUL}})
-    assert info.value.status == 501 and info.value.type == "NotImplementedError"
+    assert http_status(info.value) == (501, "NotImplementedError")
 
 
 def test_the_real_template_passes_the_startup_check(d1_service):
@@ -146,7 +154,7 @@ def test_the_real_template_passes_the_startup_check(d1_service):
 
 def test_prefix_split_leaves_every_question_a_token():
     """The shared prefix never swallows a whole prompt (identical prompts still read their last token)."""
-    from systemone.runtime.d1_engine import shared_prefix
+    from systemone.runtime.d1.engine import shared_prefix
 
     assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2
     assert shared_prefix([[1, 2, 3, 4], [1, 2, 5]]) == 2

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from systemone.models.d1 import D1Family
+from systemone.models.d1 import ASKED, D1Family, codes
 from systemone.models.errors import DecisionError
-from systemone.models.family import build_answer
+from systemone.models.family import Labels, Readout
 from systemone.models.questions import parse_questions
 from systemone.models.request import parse_request
 from systemone.runtime.tokenizer import PromptTokenizer
@@ -24,6 +24,11 @@ def encode(d1_checkpoint):
 def question(spec: dict, qid: str = "q"):
     (parsed,) = parse_questions({qid: spec}, FAMILY.option_limit)
     return parsed
+
+
+def ask(q) -> str:
+    """The user text d1 asks a question with, after the state (spec 3.2)."""
+    return ASKED[q.type].text(q)
 
 
 @pytest.mark.parametrize("state,text", [(None, ""), ("", ""), ("  ", "  "), (0, "0"), (False, "false"), ([], "[]"),
@@ -45,33 +50,33 @@ def test_empty_state_means_the_question_alone():
     ({"true": "", "false": "x"}, "\nYes: \nNo: x"), ({"true": 1, "false": False}, "\nYes: 1\nNo: False")])
 def test_noul_sides(criteria, sides):
     """Spec 3.2 / D 5: sides only when either description is truthy; a missing side prints None."""
-    assert FAMILY.ask(question({"type": "noul", "criteria": criteria})) == sides + "\n\nReply with yes or no only."
+    assert ask(question({"type": "noul", "criteria": criteria})) == sides + "\n\nReply with yes or no only."
 
 
 def test_choice_lines_codes_and_underscores():
     """Spec 3.2, 3.6 / D 4: `CODE text`, description if non-empty else the name with _ -> space; codes are the
     stripped names when all are single letters of any script, else A, B, ..."""
     q = question({"type": "choice", "instructions": "I", "criteria": {"a": "billing team", "b_c": None, "d": ""}})
-    assert FAMILY.ask(q) == "I\n\nOptions:\nA billing team\nB b c\nC d\n\nReply with the option code only."
-    assert FAMILY.codes(question({"type": "choice", "criteria": {" é ": None, "α": None, "Z": None}})) == ["é", "α", "Z"]
-    assert FAMILY.codes(question({"type": "choice", "criteria": {"ab": None, "c": None}})) == ["A", "B"]
+    assert ask(q) == "I\n\nOptions:\nA billing team\nB b c\nC d\n\nReply with the option code only."
+    assert codes(question({"type": "choice", "criteria": {" é ": None, "α": None, "Z": None}})) == ["é", "α", "Z"]
+    assert codes(question({"type": "choice", "criteria": {"ab": None, "c": None}})) == ["A", "B"]
 
 
 def test_score_lines():
     """Spec 3.2: `i level` lines and the digit range."""
     q = question({"type": "score", "criteria": ["low", 2, None]})
-    assert FAMILY.ask(q) == "\n\n0 low\n1 2\n2 None\n\nReply with a single digit 0-2 only."
+    assert ask(q) == "\n\n0 low\n1 2\n2 None\n\nReply with a single digit 0-2 only."
 
 
 def test_label_groups_keep_single_token_forms(encode):
     """Spec 3.6: choice (code, " code"), noul yes/Yes/YES vs no/No/NO, score digits; a form counts only if it is
     one token standalone (LFM2 splits "YES"), in form order."""
-    choice = FAMILY.label_groups(question({"type": "choice", "criteria": {"xx": None, "yy": None}}), encode)
+    choice = FAMILY.labels(question({"type": "choice", "criteria": {"xx": None, "yy": None}}), encode)
     assert choice.groups == ((encode("A")[0], encode(" A")[0]), (encode("B")[0], encode(" B")[0]))
-    noul = FAMILY.label_groups(question({"type": "noul"}), encode)
+    noul = FAMILY.labels(question({"type": "noul"}), encode)
     assert len(encode("YES")) == 2
     assert noul.groups[0] == (encode("yes")[0], encode("Yes")[0])
-    score = FAMILY.label_groups(question({"type": "score", "criteria": ["a", "b", "c"]}), encode)
+    score = FAMILY.labels(question({"type": "score", "criteria": ["a", "b", "c"]}), encode)
     assert score.groups == tuple((encode(str(i))[0],) for i in range(3))
 
 
@@ -80,30 +85,28 @@ def test_a_letter_that_is_several_tokens_is_refused(encode):
     assert len(encode("丙")) > 1
     q = question({"type": "choice", "criteria": {"丙": None, "x": None}})
     with pytest.raises(DecisionError, match=r"^question 'q': label '丙' is not one distinct token for this model$"):
-        FAMILY.label_groups(q, encode)
+        FAMILY.labels(q, encode)
 
 
 def test_the_same_code_twice_is_refused(encode):
     """Spec 3.6 example: "a" and " a" both strip to a -> the second label repeats the first group -> 400."""
     q = question({"type": "choice", "criteria": {"a": None, " a": None}})
     with pytest.raises(DecisionError, match=r"label 'a' is not one distinct token"):
-        FAMILY.label_groups(q, encode)
+        FAMILY.labels(q, encode)
 
 
 def test_the_read_takes_group_maxima_softmax_mass_and_argmax():
     """Spec 3.7: option score = max log-prob of its group; probs = label softmax; label_mass = sum of exp over
     every id of every group; argmax_is_label when the greedy token is a group id."""
-    from systemone.models.d1 import LabelGroups
-
     q = question({"type": "noul"})
-    groups = LabelGroups(((10, 11), (20,)))
+    groups = Labels(((10, 11), (20,)))
     logprobs = {10: math.log(0.1), 11: math.log(0.3), 20: math.log(0.2)}
-    read = FAMILY.read(q, groups, logprobs, argmax_id=11)
+    read = FAMILY.read(q, groups, Readout(logprobs, 11))
     assert read.probs == pytest.approx((0.6, 0.4))
     assert read.label_mass == pytest.approx(0.6)
     assert read.argmax_is_label
-    assert not FAMILY.read(q, groups, logprobs, argmax_id=99).argmax_is_label
-    answer = build_answer(q, read)
+    assert not FAMILY.read(q, groups, Readout(logprobs, 99)).argmax_is_label
+    answer = q.answer(read)
     assert answer["confidence"] == pytest.approx(0.6 * 0.6)  # spec 5.1: max(p) * label_mass
 
 

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from PIL import Image
 
 from scripts.lfm2_vision_fixtures import FIXTURE, RESIZE_CASES, SIZES, decode_crop, fixture_image, resize_case
+from systemone.runtime.d1.image_processor import (Lfm2ImageConfig, cap_pixels, grid_layout, lfm2_image,
+                                                  placeholder_text, smart_size)
+from systemone.runtime.d1.siglip_positions import siglip_positions
 from systemone.runtime.image_transform import resize_bicubic, resize_bilinear
-from systemone.runtime.lfm2_image import (Lfm2ImageConfig, cap_pixels, grid_layout, lfm2_image, placeholder_text,
-                                          smart_size)
-from systemone.runtime.siglip_positions import siglip_positions
 
 REFERENCE = np.load(FIXTURE)
 CONFIG = Lfm2ImageConfig()

@@ -4,16 +4,25 @@ question's whole prompt with its own vision tower."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from scripts.d1_parity import compare, parity_requests, sixteen_questions
-from systemone.export.d1 import D1ExportConfig
+from systemone.export.d1.answer_parity import compare, parity_requests, sixteen_questions
+from systemone.export.d1.config import D1ExportConfig
 
 
 @pytest.fixture(scope="module")
 def reference(d1_checkpoint):
     return D1ExportConfig(d1_checkpoint)
+
+
+def reads(service, prepared, **run):
+    """Each question's read of a prepared request, the engine's graphs run with `run` (e.g. reuse_prefix)."""
+    readouts = service.engine.run(prepared, **run)
+    return [service.family.read(q, labels, readout)
+            for q, labels, readout in zip(prepared.questions, prepared.labels, readouts)]
 
 
 def test_onnx_with_prefix_reuse_matches_torch_on_210_questions(d1_service, reference):
@@ -32,9 +41,9 @@ def test_onnx_with_prefix_reuse_matches_torch_on_210_questions(d1_service, refer
 def test_prefix_reuse_reads_what_whole_prompts_read(d1_service):
     """Reuse changes no token and no number beyond float noise: suffix reads on the prefix snapshot equal the whole
     prompts read from an empty state (16 questions, a long state and a 1024x1024 image)."""
-    request, questions = d1_service.validate(sixteen_questions(True))
-    reused, prompts = d1_service.engine.reads(request, questions, reuse_prefix=True)
-    whole, _ = d1_service.engine.reads(request, questions, reuse_prefix=False)
+    prepared = d1_service.prepare(sixteen_questions(True))
+    reused = reads(d1_service, prepared, reuse_prefix=True)
+    whole = reads(d1_service, prepared, reuse_prefix=False)
     for a, b in zip(reused, whole):
         assert np.abs(np.array(a.probs) - np.array(b.probs)).max() < 1e-5
         assert abs(a.label_mass - b.label_mass) < 1e-5 * max(a.label_mass, 1e-30) + 1e-12
@@ -55,15 +64,16 @@ def test_the_prefix_is_prefilled_in_chunks_within_the_attention_budget(d1_servic
     """A prefix longer than one chunk of the attention budget is prefilled chunk by chunk on the growing state and
     reads what one whole pass reads."""
     engine = d1_service.engine
-    request, questions = d1_service.validate(sixteen_questions(False))
-    whole, _ = engine.reads(request, questions)
+    prepared = d1_service.prepare(sixteen_questions(False))
+    whole = reads(d1_service, prepared)
     runner = engine.runner
-    budget = runner.attention_budget
+    budget = runner.budget
     try:
-        runner.attention_budget = 2 * 4 * runner.layout.heads * 128 * 256  # chunks of ~128 tokens after 128
-        assert runner.chunk_length(500) < 300
-        chunked, _ = engine.reads(request, questions)
+        # chunks of ~128 tokens after 128
+        runner.budget = dataclasses.replace(budget, attention_budget=2 * 4 * runner.layout.heads * 128 * 256)
+        assert runner.budget.chunk_length(500) < 300
+        chunked = reads(d1_service, prepared)
     finally:
-        runner.attention_budget = budget
+        runner.budget = budget
     for a, b in zip(whole, chunked):
         assert np.abs(np.array(a.probs) - np.array(b.probs)).max() < 1e-5

@@ -1,5 +1,5 @@
 """The HTTP contract of d3 on POST /v1/systemone: one test per validation rule of spec 1.3, per error case of
-spec 6.2-6.5, and the response assembly of spec 5 (README decisions 2-4 override vLLM's statuses and shapes)."""
+spec 6.2-6.5, and the response assembly of spec 5 (decisions 2-4 override vLLM's statuses and shapes)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from systemone.runtime.artifact import Artifact
+from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from systemone.server.app import create_app
 from tests.http_helpers import assert_error, post
@@ -23,7 +24,7 @@ def client(d3_service):
 
 
 def assert_schema_error(response, loc):
-    """Schema errors: 422 in FastAPI's shape (README decision 2)."""
+    """Schema errors: 422 in FastAPI's shape (decision 2)."""
     assert response.status_code == 422, response.text
     locs = [tuple(d["loc"]) for d in response.json()["detail"]]
     assert ("body", *loc) in locs, locs
@@ -81,7 +82,7 @@ def test_body_must_be_an_object(client):
 
 
 def test_unknown_top_level_fields_are_ignored(client):
-    """README decision 3 (vLLM forbids them)."""
+    """decision 3 (vLLM forbids them)."""
     assert post(client, {"state": None, "questions": {"q": NOUL}, "depends_on": "x", "stream": True}).status_code == 200
 
 
@@ -192,7 +193,7 @@ def test_media_counts_are_limited_per_request(client):
 
 
 def test_unfetchable_media_is_a_4xx_naming_its_place(client):
-    """README decision 1: a media URL that cannot be fetched is a 4xx (vLLM: 500), naming images[i]."""
+    """decision 1: a media URL that cannot be fetched is a 4xx (vLLM: 500), naming images[i]."""
     response = post(client, {"state": None, "questions": {"q": NOUL}, "images": ["http://127.0.0.1:1/a.png"]})
     body = assert_error(response, 400, "media: images[0]: host '127.0.0.1' resolves to a non-public address")
     assert body["error"]["type"] == "BadRequestError"
@@ -237,9 +238,11 @@ def test_prompt_longer_than_max_model_len_is_refused_not_truncated(d3_artifact, 
     body = {"state": "word " * 50, "questions": {"q": NOUL}}
     (prompt,) = d3_service.render(body)
     n = len(prompt.token_ids)
-    exact = TestClient(create_app(DecisionService(Artifact.load(d3_artifact), "cpu", max_model_len=n)))
+    exact = TestClient(create_app(DecisionService(Artifact.load(d3_artifact),
+                                                  EngineOptions(device="cpu", max_model_len=n))))
     assert post(exact, body).status_code == 200  # n == max_model_len is allowed (spec 4.12)
-    short = TestClient(create_app(DecisionService(Artifact.load(d3_artifact), "cpu", max_model_len=n - 1)))
+    short = TestClient(create_app(DecisionService(Artifact.load(d3_artifact),
+                                                  EngineOptions(device="cpu", max_model_len=n - 1))))
     assert_error(post(short, body), 400, f"question 'q': the prompt has {n} tokens, more than "
                                          f"max_model_len={n - 1}; nothing is truncated")
 

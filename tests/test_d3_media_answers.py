@@ -1,4 +1,4 @@
-"""d3 images and videos end to end (spec 4.8-4.11, 6.1; README decision 6): decoded like vLLM, read once per
+"""d3 images and videos end to end (spec 4.8-4.11, 6.1; decision 6): decoded like vLLM, read once per
 request, answers equal to the torch model's (transformers' whole Qwen3_5Model) on the same inputs."""
 
 from __future__ import annotations
@@ -7,19 +7,20 @@ import base64
 
 import numpy as np
 import pytest
+from PIL import Image
 
-from systemone.export.d3 import D3ExportConfig
-from systemone.models.family import first_argmax
+from scripts.vision_fixtures import fixture_image
+from systemone.export.d3.config import D3ExportConfig
+from systemone.models.family import Readout
+from systemone.models.questions import first_argmax
 from systemone.runtime.artifact import Artifact
-from systemone.runtime.d3_media import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS
+from systemone.runtime.d3.media import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS
+from systemone.runtime.d3.video import decode_video, qwen_video
+from systemone.runtime.engine import EngineOptions
 from systemone.runtime.image_transform import qwen_image
 from systemone.runtime.media_decode import decode_image
 from systemone.runtime.media_fetch import FetchPolicy
 from systemone.runtime.service import DecisionService
-from PIL import Image
-
-from scripts.vision_fixtures import fixture_image
-from systemone.runtime.video import decode_video, qwen_video
 from tests.media_helpers import CountingServer, data_url, encoded, test_images, write_video
 
 IMAGES = test_images()
@@ -54,7 +55,9 @@ def compare(service, body, reference_logits) -> tuple[int, float]:
     answers = service.decide(body)["answers"]
     worst, count = 0.0, 0
     for prompt in service.render(body):
-        want = service.family.read(prompt.question, reference_logits(prompt).tolist()).probs
+        question = prompt.question
+        want = service.family.read(question, service.family.labels(question, None),
+                                   Readout(dict(enumerate(reference_logits(prompt).tolist())))).probs
         got = list(answers[prompt.question.id]["probabilities"].values())
         assert first_argmax(got) == first_argmax(want), prompt.question.id
         worst = max(worst, float(np.abs(np.array(got) - np.array(want)).max()))
@@ -104,7 +107,8 @@ def test_one_fetch_and_one_vision_pass_per_media(d3_artifact, tmp_path):
     group), whatever the number of questions."""
     video = write_video(tmp_path / "v.mp4", frames=40, fps=20.0, width=320, height=240)  # 4 frames, 2 groups
     server = CountingServer({"a.png": IMAGES["vga-640x480.jpg"], "b.png": IMAGES["tiny-50x50.png"], "v.mp4": video})
-    service = DecisionService(Artifact.load(d3_artifact), "cpu", fetch_policy=FetchPolicy(allow_private_hosts=True))
+    options = EngineOptions(device="cpu", fetch_policy=FetchPolicy(allow_private_hosts=True))
+    service = DecisionService(Artifact.load(d3_artifact), options)
     with server.running():
         body = {"state": "x", "images": [f"{server.url}/a.png", f"{server.url}/b.png"],
                 "videos": [f"{server.url}/v.mp4"],
@@ -118,7 +122,9 @@ def test_one_fetch_and_one_vision_pass_per_media(d3_artifact, tmp_path):
         twice = {"state": "x", "images": [f"{server.url}/a.png", f"{server.url}/a.png"],
                  "questions": {"q": QUESTIONS[0]}}
         before = service.engine.vision_session.runs
-        (prompt,) = service.render(twice)
+        prepared = service.prepare(twice)  # reads the media; the vision graph runs when the request is answered
+        service.answer(prepared)
+        (prompt,) = prepared.prompts
     assert server.gets["a.png"] == 2 and service.engine.vision_session.runs - before == 1
     assert prompt.token_ids.count(service.artifact.tokenizer.token_id("<|image_pad|>")) == 2 * 300
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from systemone.runtime.media_prompt import MediaLayout, expand_media, mrope_positions
-from systemone.runtime.qwen_vision import vision_inputs
+from systemone.runtime.d3.placeholders import MediaLayout, expand_media, mrope_positions
+from systemone.runtime.d3.vision_inputs import vision_inputs
 from systemone.runtime.tokenizer import PromptTokenizer
 
 
@@ -95,7 +95,7 @@ def test_artifact_vision_graph_matches_the_vision_tower(d3_artifact, d3_checkpoi
     """The exported vision graph vs Qwen3_5VisionModel (pooler_output) on a segment shape not seen at export."""
     import json
 
-    from systemone.export.d3 import D3ExportConfig
+    from systemone.export.d3.config import D3ExportConfig
     from systemone.runtime.session import GraphSession
 
     manifest = json.loads((d3_artifact / "manifest.json").read_text())

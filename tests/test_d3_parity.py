@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scripts.parity import compare, parity_requests, question_set
-from systemone.export.d3 import D3ExportConfig
+from systemone.export.d3.answer_parity import compare, parity_requests, question_set
+from systemone.export.d3.config import D3ExportConfig
 from systemone.runtime.artifact import Artifact
+from systemone.runtime.d3.code_logits import text_positions
+from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
-from systemone.runtime.text_batch import text_positions
 
 REQUESTS = parity_requests(70)
 
@@ -19,7 +20,7 @@ REQUESTS = parity_requests(70)
 def mode_pair(request, d3_checkpoint, d3_artifact, d3_causal_checkpoint, d3_causal_artifact):
     checkpoint, artifact = ((d3_checkpoint, d3_artifact) if request.param == "noncausal_full_attention"
                             else (d3_causal_checkpoint, d3_causal_artifact))
-    service = DecisionService(Artifact.load(artifact), device="cpu")
+    service = DecisionService(Artifact.load(artifact), EngineOptions(device="cpu"))
     reference = D3ExportConfig(checkpoint)
     assert reference.attention_mode == request.param
     return service, reference

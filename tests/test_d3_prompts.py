@@ -133,7 +133,7 @@ def test_export_carries_the_qwen3_5_rebuild_not_tokenizer_json_as_is(d3_checkpoi
 
     from transformers import AutoTokenizer
 
-    from systemone.export.d3 import write_runtime_files
+    from systemone.export.d3.config import write_runtime_files
     from systemone.runtime.tokenizer import PromptTokenizer
 
     source = tmp_path / "ckpt"

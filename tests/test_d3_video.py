@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from scripts.vision_fixtures import FIXTURE, MEAN, STD, VIDEOS, fixture_frames
-from systemone.runtime.video import decode_video, qwen_video, sample_indices, timestamps, video_size
+from systemone.runtime.d3.video import decode_video, qwen_video, sample_indices, timestamps, video_size
 from tests.media_helpers import write_video
 
 REFERENCE = np.load(FIXTURE)

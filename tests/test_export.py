@@ -1,17 +1,17 @@
-"""The export (issue 2, item 3): a self-contained artifact, symbolic axes asserted, parity gate before writing,
+"""The export: a self-contained artifact, symbolic axes asserted, parity gate before writing,
 checkpoints from a local directory or a hub id."""
 
 from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
-from systemone.export.pipeline import ParityError, check_parity, export_checkpoint, symbolic_axes
+from systemone.export.parity import check_parity
+from systemone.export.pipeline import ParityError, export_checkpoint, symbolic_axes
 from systemone.export.source import resolve_checkpoint
 from systemone.runtime.session import GraphSession
 
@@ -73,7 +73,7 @@ def test_parity_gate_reports_the_worst_sample():
 
 def test_export_writes_nothing_when_parity_is_off(d3_checkpoint, tmp_path, monkeypatch):
     """Export refuses to write an artifact whose graph disagrees with the torch model."""
-    from systemone.export.d3 import D3ExportConfig
+    from systemone.export.d3.config import D3ExportConfig
 
     real = D3ExportConfig.reference_logits
     monkeypatch.setattr(D3ExportConfig, "reference_logits", lambda self, *args: real(self, *args) + 0.01)
@@ -87,7 +87,9 @@ def test_export_writes_nothing_when_parity_is_off(d3_checkpoint, tmp_path, monke
 def test_export_refuses_a_non_d3_checkpoint(d3_checkpoint, tmp_path):
     source = tmp_path / "not-d3"
     shutil.copytree(d3_checkpoint, source, ignore=shutil.ignore_patterns("*.safetensors", "decision_config.json"))
-    with pytest.raises(ValueError, match="is not a d3 checkpoint"):
+    # Neither family's checkpoint: the refusal names what a d3 checkpoint needs (spec 4.1).
+    with pytest.raises(ValueError, match=r"is not a checkpoint of a known family: d3: config.json architectures == "
+                                         r"\['Qwen3_5Model'\] and a decision_config.json"):
         export_checkpoint(str(source), tmp_path / "out")
 
 

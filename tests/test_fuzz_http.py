@@ -1,6 +1,6 @@
-"""Fuzz (issue 3): 10,000 generated bad requests against a live loopback d3 server, 3,000 against a d1 one (whose
+"""Fuzz: 10,000 generated bad requests against a live loopback d3 server, 3,000 against a d1 one (whose
 valid body also carries instructions and chat_template_kwargs). Zero 5xx, zero hangs, every body JSON, and the
-server still answers a good request afterwards (README decision 1)."""
+server still answers a good request afterwards (decision 1)."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def fuzz(service, valid: dict, count: int) -> None:
             good = client.post("/v1/systemone", content=json.dumps(valid).encode(),
                                headers={"Content-Type": "application/json"})
     print(f"\nfuzz {service.family.name}: {count} requests, statuses {dict(sorted(statuses.items()))}")
-    assert sum(statuses.values()) == count
+    assert set(statuses) <= {200, *range(400, 500)}, statuses  # a JSON answer or a client error, nothing else
     assert problems == []
     assert sum(n for s, n in statuses.items() if 400 <= s < 500) > count * 0.75  # mostly refused, as generated
     assert good.status_code == 200 and set(good.json()["answers"]) == {"urgent", "team", "anger"}

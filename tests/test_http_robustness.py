@@ -1,4 +1,4 @@
-"""Safe under bad input and load (issue 3; README decisions 1, 2, 5): every client input ends in a JSON 2xx/4xx,
+"""Safe under bad input and load (decisions 1, 2, 5): every client input ends in a JSON 2xx/4xx,
 bodies are capped, auth is enforced when configured, and a full server answers 503 + Retry-After at once."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import httpx
 import pytest
 import zstandard
 
+from systemone.cli import main as cli_main
 from systemone.server.app import ServerOptions, create_app
 from systemone.server.auth import is_loopback
-from systemone.server.cli import main as cli_main
 from tests.live_server import live_server
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}

@@ -1,4 +1,4 @@
-"""Bounded load on loopback (issue 3): 64 concurrent clients, then 4x the configured capacity. Every request is
+"""Bounded load on loopback: 64 concurrent clients, then 4x the configured capacity. Every request is
 answered or refused with 503 + Retry-After; none fails, hangs or gets another 5xx."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A corpus of 200+ corrupt or hostile media inputs against a live server (issue 4; README decisions 1, 6):
+"""A corpus of 200+ corrupt or hostile media inputs against a live server (decisions 1, 6):
 truncated files, wrong magic bytes, bomb-like headers, malformed data URLs, private hosts, redirects to
 127.0.0.1, zero-frame and one-frame videos. Zero 5xx, every body JSON, and the server keeps answering."""
 
@@ -16,7 +16,7 @@ from PIL import Image
 
 from systemone.runtime import media_fetch
 from systemone.runtime.artifact import Artifact
-from systemone.runtime.media_fetch import FetchPolicy
+from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from tests.live_server import live_server
 from tests.media_helpers import CountingServer, data_url, encoded, test_images, write_video
@@ -95,7 +95,8 @@ def test_hostile_media_corpus(family, request, monkeypatch, tmp_path):
     monkeypatch.setattr(media_fetch, "_public", lambda address: address == "127.0.0.2")
     files = {"not-an-image.png": b"<html>nope</html>", "truncated.png": test_images()["tiny-50x50.png"][:300]}
     server = CountingServer(files, host="127.0.0.2")
-    service = DecisionService(Artifact.load(request.getfixturevalue(f"{family}_artifact")), "cpu")
+    service = DecisionService(Artifact.load(request.getfixturevalue(f"{family}_artifact")),
+                              EngineOptions(device="cpu"))
     statuses: Counter[int] = Counter()
     with server.running():
         port = server.url.rsplit(":", 1)[1]

@@ -1,4 +1,4 @@
-"""Safe media fetching (spec 6.1; README decisions 1 and 6; issue 4 item 4): every failure is a 4xx that names
+"""Safe media fetching (spec 6.1; decisions 1 and 6): every failure is a 4xx that names
 the URL's place in the request; private hosts, local files and oversized downloads are refused by default."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 from systemone.runtime import media_fetch
 from systemone.runtime.media_decode import decode_image
 from systemone.runtime.media_fetch import FetchPolicy, MediaError, fetch
+from systemone.server.errors import http_status
 from tests.media_helpers import CountingServer, test_images
 
 PNG = test_images()["tiny-50x50.png"]
@@ -18,7 +19,7 @@ PNG = test_images()["tiny-50x50.png"]
 def refused(url, policy=FetchPolicy(), status=400, kind="image"):
     with pytest.raises(MediaError) as info:
         fetch(url, "images[2]", kind, policy)
-    assert info.value.status == status, info.value.message
+    assert http_status(info.value)[0] == status, info.value.message
     assert info.value.message.startswith("media: images[2]: ")
     return info.value.message
 
@@ -37,7 +38,7 @@ def test_base64_data_urls_are_read():
     ("file:///etc/passwd", "Cannot load local files without `--allowed-local-media-path`."),
 ])
 def test_malformed_and_unsupported_urls_are_400_not_5xx(url, message):
-    """README decision 1: vLLM's 501 (non-base64 data URL) and 500 (file:// without a path) become 400."""
+    """decision 1: vLLM's 501 (non-base64 data URL) and 500 (file:// without a path) become 400."""
     assert message in refused(url)
 
 

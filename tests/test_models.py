@@ -9,8 +9,9 @@ import pytest
 
 from systemone.models.d3 import D3Family, DecisionConfig
 from systemone.models.errors import DecisionError
-from systemone.models.family import Read, build_answer, label_softmax
-from systemone.models.questions import Question, coerce_text, parse_questions
+from systemone.models.family import Readout, label_softmax
+from systemone.models.questions import Question, Read, coerce_text, parse_questions
+from systemone.server.errors import http_status
 
 CODES = ["A", "B", "C", "D"]
 
@@ -93,11 +94,13 @@ def test_d3_user_text_layout():
 def test_d3_read_takes_first_n_codes_divided_by_temperature():
     """Spec 4.13: softmax over the first N code logits / T; noul maps [p(code1), p(code0)] to [yes, no]."""
     logits = [1.0, 2.0, 30.0, 40.0]  # codes C, D are beyond the question's options and must not count
-    read = family(0.5).read(one({"type": "noul"}), logits)
+    noul = one({"type": "noul"})
+    read = family(0.5).read(noul, family(0.5).labels(noul, None), Readout(dict(enumerate(logits))))
     p_no, p_yes = label_softmax([1.0 / 0.5, 2.0 / 0.5])
     assert read.probs == (p_yes, p_no)
     assert read.label_mass == 1.0 and read.argmax_is_label is True
-    choice = family(0.5).read(one({"type": "choice", "criteria": {"x": None, "y": None, "z": None}}), logits)
+    three = one({"type": "choice", "criteria": {"x": None, "y": None, "z": None}})
+    choice = family(0.5).read(three, family(0.5).labels(three, None), Readout(dict(enumerate(logits))))
     assert choice.probs == tuple(label_softmax([2.0, 4.0, 60.0]))
 
 
@@ -111,26 +114,26 @@ def test_label_softmax_is_vllms():
 # -- spec 5.1 with the values of vLLM's tests (spec 7.1) -------------------------------------------------------
 def test_choice_answer_shape():
     q = one({"type": "choice", "criteria": {"billing": "money", "outage": None, "other": None}})
-    assert build_answer(q, Read((0.2, 0.7, 0.1), 0.5, True)) == {
+    assert q.answer(Read((0.2, 0.7, 0.1), 0.5, True)) == {
         "type": "choice", "choice": "outage", "probabilities": {"billing": 0.2, "outage": 0.7, "other": 0.1},
         "confidence": 0.35}
 
 
 def test_noul_answer_shape():
-    assert build_answer(one({"type": "noul"}), Read((0.8, 0.2), 0.5, True)) == {
+    assert one({"type": "noul"}).answer(Read((0.8, 0.2), 0.5, True)) == {
         "type": "noul", "noul": 0.8, "probabilities": {"yes": 0.8, "no": 0.2}, "confidence": 0.4}
 
 
 def test_score_answer_shape():
     q = one({"type": "score", "criteria": ["calm", "annoyed", "furious"]})
-    answer = build_answer(q, Read((0.5, 0.25, 0.25), 0.4, True))
+    answer = q.answer(Read((0.5, 0.25, 0.25), 0.4, True))
     assert answer == {"type": "score", "score": 0.75, "legend": {"0": "calm", "1": "annoyed", "2": "furious"},
                       "probabilities": {"0": 0.5, "1": 0.25, "2": 0.25}, "confidence": 0.2}
 
 
 def test_ties_pick_the_first_option():
     q = one({"type": "choice", "criteria": {"a": None, "b": None}})
-    assert build_answer(q, Read((0.5, 0.5), 1.0, True))["choice"] == "a"
+    assert q.answer(Read((0.5, 0.5), 1.0, True))["choice"] == "a"
 
 
 def test_duplicate_keys_keep_the_last_value():
@@ -144,4 +147,4 @@ def test_duplicate_keys_keep_the_last_value():
 def test_errors_are_decision_errors_with_status_400():
     with pytest.raises(DecisionError) as info:
         one({"type": "noul", "criteria": "yes"})
-    assert info.value.status == 400 and info.value.type == "BadRequestError" and info.value.param is None
+    assert http_status(info.value) == (400, "BadRequestError") and info.value.param is None

@@ -10,8 +10,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from systemone.runtime.batch import BatchBudget
+from systemone.runtime.d3.code_logits import CodeLogitsRunner, code_logit_feeds, text_positions
 from systemone.runtime.session import PROVIDERS, ProviderUnavailable, resolve_providers
-from systemone.runtime.text_batch import CodeLogitsRunner, pad_batch, text_positions
 
 
 def test_cpu_is_always_available():
@@ -19,9 +20,10 @@ def test_cpu_is_always_available():
 
 
 @pytest.mark.parametrize("device", ["cuda", "rocm"])
-def test_an_absent_provider_is_an_error(device):
-    if PROVIDERS[device] in ort.get_available_providers():
-        pytest.fail(f"this test expects a machine without {device}")
+def test_an_absent_provider_is_an_error(device, monkeypatch):
+    # An onnxruntime without the device's provider, on any machine (a GPU machine has CUDAExecutionProvider).
+    available = [p for p in ort.get_available_providers() if p != PROVIDERS[device]]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: available)
     with pytest.raises(ProviderUnavailable, match=f"device '{device}' needs {PROVIDERS[device]}"):
         resolve_providers(device)
 
@@ -39,7 +41,7 @@ def test_unknown_device_is_named():
 
 
 def test_pad_batch_right_pads_with_mask_and_positions():
-    feeds = pad_batch([[5, 6, 7], [8]], [text_positions(3), text_positions(1)])
+    feeds = code_logit_feeds([[5, 6, 7], [8]], [text_positions(3), text_positions(1)], None, 0)
     assert feeds["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert feeds["position_ids"].shape == (3, 2, 3)
@@ -47,8 +49,8 @@ def test_pad_batch_right_pads_with_mask_and_positions():
 
 
 def test_batches_respect_the_token_budget():
-    runner = CodeLogitsRunner(session=None, max_batch_tokens=100)
-    groups = runner.batches([10, 60, 30, 50, 5])
+    runner = CodeLogitsRunner(None, BatchBudget(max_batch_tokens=100), hidden=0)
+    groups = runner.budget.plan([10, 60, 30, 50, 5])
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
     lengths = [10, 60, 30, 50, 5]
     for group in groups:
@@ -60,7 +62,8 @@ def test_runner_returns_rows_in_prompt_order():
         def run(self, feeds, run_options=None):
             return [np.stack([feeds["input_ids"][:, 0], feeds["attention_mask"].sum(1)], axis=1).astype(np.float32)]
 
-    out = CodeLogitsRunner(Echo(), max_batch_tokens=8).run([[1, 1], [2], [3, 3, 3, 3, 3], [4, 4]])
+    runner = CodeLogitsRunner(Echo(), BatchBudget(max_batch_tokens=8), hidden=0)
+    out = runner.run([[1, 1], [2], [3, 3, 3, 3, 3], [4, 4]])
     assert out.tolist() == [[1, 2], [2, 1], [3, 5], [4, 2]]
 
 
@@ -70,7 +73,7 @@ def test_serving_never_imports_torch_or_transformers(d3_artifact, tmp_path):
     request.write_text(json.dumps({"state": "x", "questions": {"q": {"type": "noul"}}}))
     code = (
         "import sys, json\n"
-        "from systemone.server.cli import main\n"
+        "from systemone.cli import main\n"
         "import systemone.server.app\n"
         f"rc = main(['ask', {str(d3_artifact)!r}, '--request', {str(request)!r}, '--device', 'cpu'])\n"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
@@ -87,13 +90,15 @@ def test_attention_memory_bounds_the_prompt_length(d3_artifact):
     budget, so a long prompt gets the spec's 400 (spec 4.12), never an out-of-memory failure."""
     from systemone.models.errors import DecisionError
     from systemone.runtime.artifact import Artifact
+    from systemone.runtime.batch import attention_bytes
+    from systemone.runtime.engine import EngineOptions
     from systemone.runtime.service import DecisionService
-    from systemone.runtime.text_batch import attention_bytes
 
     heads = 4  # the tiny checkpoint's attention heads
-    service = DecisionService(Artifact.load(d3_artifact), "cpu", attention_budget=attention_bytes(3, 120, heads))
+    budget = attention_bytes(3, 120, 0, heads)
+    service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu", attention_budget=budget))
     assert service.max_model_len == int(3**0.5 * 120)
-    assert service.engine.runner.batches([120, 120, 120, 120]) == [[0, 1, 2], [3]]
+    assert service.engine.runner.budget.plan([120, 120, 120, 120]) == [[0, 1, 2], [3]]
     assert service.decide({"state": "short", "questions": {"q": {"type": "noul"}}})["usage"]["input_tokens"] < 120
     with pytest.raises(DecisionError, match=r"more than max_model_len=207; nothing is truncated"):
         service.decide({"state": "word " * 300, "questions": {"q": {"type": "noul"}}})
@@ -101,7 +106,7 @@ def test_attention_memory_bounds_the_prompt_length(d3_artifact):
 
 def test_render_shows_the_prompt_text_and_token_ids(d3_artifact, d3_service, tmp_path, capsys):
     """`systemone render`: a user sees exactly what the model reads, per question."""
-    from systemone.server.cli import main
+    from systemone.cli import main
 
     body = {"state": {"a": 1}, "questions": {"q1": {"type": "noul"}, "q2": {"type": "score", "criteria": ["a", "b"]}}}
     request = tmp_path / "req.json"
@@ -115,7 +120,7 @@ def test_render_shows_the_prompt_text_and_token_ids(d3_artifact, d3_service, tmp
 
 
 def test_ask_prints_the_error_body_and_fails_on_a_bad_request(d3_artifact, tmp_path, capsys):
-    from systemone.server.cli import main
+    from systemone.cli import main
 
     request = tmp_path / "bad.json"
     request.write_text(json.dumps({"state": 1, "questions": {}}))

@@ -1,5 +1,5 @@
 """typesafe-sdk 0.7.5 (TypeSafe's official client) works against `systemone serve` with no change but the base
-URL (README decision 5): sync and async clients, zstd bodies of 1 KiB and more, its strict response parsing."""
+URL (decision 5): sync and async clients, zstd bodies of 1 KiB and more, its strict response parsing."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typesafe_sdk import AsyncTypeSafeClient, Choice, Noul, Score, TypeSafeClien
 from typesafe_sdk.constants import DEFAULT_MODEL
 
 from systemone.runtime.artifact import Artifact
+from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from systemone.server.app import ServerOptions
 from tests.live_server import live_server
@@ -25,7 +26,8 @@ QUESTIONS = {
 @pytest.fixture(scope="module")
 def sdk_service(d3_artifact):
     # The client sends its default model name unless told otherwise: serve it as an alias.
-    return DecisionService(Artifact.load(d3_artifact), "cpu", served_model_names=["vllm-sr/d3-tiny", DEFAULT_MODEL])
+    return DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"),
+                           served_model_names=["vllm-sr/d3-tiny", DEFAULT_MODEL])
 
 
 @pytest.fixture(scope="module")

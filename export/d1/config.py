@@ -15,12 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..runtime.lfm2_cells import unshuffle_order
-from ..runtime.lfm2_image import Lfm2ImageConfig
+from ...models.d1 import D1Family
+from ...runtime.batch import BatchBudget
+from ...runtime.d1.cells import unshuffle_order
+from ...runtime.d1.image_processor import Lfm2ImageConfig
+from ...runtime.d1.state import D1TextRunner, StateLayout
+from ...runtime.session import GraphSession
+from ...runtime.tokenizer import PromptTokenizer
+from ..config import ExportConfig, Gate, GraphSpec, RuntimeFiles
+from ..parity import sample_prompts
+from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
 from .lfm2_text import D1TextGraph
 from .lfm2_vision import D1VisionGraph
 
-ARCHITECTURE = "Lfm2VlForConditionalGeneration"
 TEXT_INPUTS = ["input_ids", "media_embeds", "media_index", "last_index", "label_ids"]
 TEXT_OUTPUTS = ["label_logprobs", "argmax"]
 TEXT_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "media_embeds": {0: "media"}, "media_index": {0: "media"},
@@ -28,25 +35,6 @@ TEXT_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "media_embeds": {0: "medi
 VISION_INPUTS = ["patches", "positions"]
 VISION_OUTPUTS = ["media_embeds"]
 VISION_AXES = {"patches": {0: "crops", 1: "patches"}, "positions": {0: "patches"}}
-# Crop grids (patches high, wide) the vision graph is checked on: a 512 tile, the smallest thumbnail, a thin strip,
-# odd cells and a tall crop.
-VISION_PARITY_GRIDS = ((32, 32), (16, 16), (4, 206), (26, 44), (48, 22))
-
-
-def is_d1_checkpoint(root: Path) -> bool:
-    """An LFM2-VL checkpoint (`architectures == ["Lfm2VlForConditionalGeneration"]`)."""
-    config = root / "config.json"
-    if not config.is_file():
-        return False
-    return json.loads(config.read_text(encoding="utf-8")).get("architectures") == [ARCHITECTURE]
-
-
-def state_names(layer_types: list[str], prefix: str) -> list[str]:
-    """Per decoder layer in order: `{prefix}_key_i`, `{prefix}_value_i` (attention) or `{prefix}_conv_i` (conv)."""
-    names = []
-    for i, kind in enumerate(layer_types):
-        names += [f"{prefix}_key_{i}", f"{prefix}_value_{i}"] if kind == "full_attention" else [f"{prefix}_conv_{i}"]
-    return names
 
 
 def processor_settings(checkpoint: Path) -> tuple[dict[str, Any], str | None]:
@@ -62,7 +50,7 @@ def processor_settings(checkpoint: Path) -> tuple[dict[str, Any], str | None]:
                      "LFM2-VL image processor settings")
 
 
-class D1ExportConfig:
+class D1ExportConfig(ExportConfig):
     family = "d1"
 
     def __init__(self, checkpoint: Path):
@@ -192,7 +180,39 @@ class D1ExportConfig:
         return {"patches": patches[order][None], "positions": self.reference_positions(grid)[order]}
 
     # -- runtime files ---------------------------------------------------------------------------------------
-    def write_runtime_files(self, out: Path) -> dict[str, Any]:
+    # -- the declaration the pipeline reads -------------------------------------------------------------------
+    @property
+    def layout(self) -> StateLayout:
+        return StateLayout.from_manifest(self.manifest_bits())
+
+    def graphs(self) -> list[GraphSpec]:
+        layout = self.layout
+        past_axes = {name: {2: "past"} for name in layout.names("past") if "_conv_" not in name}
+        dynamic = torch.export.Dim.DYNAMIC
+        return [
+            GraphSpec("text", TEXT_INPUTS + layout.names("past"), TEXT_OUTPUTS + layout.names("new"),
+                      {**TEXT_AXES, **past_axes}, self.dynamic_shapes(), self.graph, self.example_inputs),
+            GraphSpec("vision", VISION_INPUTS, VISION_OUTPUTS, VISION_AXES,
+                      {"patches": {0: dynamic, 1: dynamic}, "positions": {0: dynamic}}, self.vision_graph,
+                      self.vision_example_inputs),
+        ]
+
+    def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
+        def text(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
+            runner = D1TextRunner(GraphSession(staging / "text.onnx", "cpu"), self.layout, BatchBudget())
+            labels = label_ids(PromptTokenizer(staging / "tokenizer.json").encode)
+            prompts = sample_prompts(D1Family(), staging, files, SAMPLE_REQUEST, lengths, seed,
+                                     int(self.text_config.vocab_size))
+            return check_text_parity(runner, self, prompts, labels, atol, seed)
+
+        def vision(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
+            return check_vision_parity(GraphSession(staging / "vision.onnx", "cpu"), self, atol, seed)
+
+        return [Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts, whole "
+                     "and as suffixes on a prefilled prefix", text),
+                Gate("checking the vision graph against LFM2-VL's image features", vision, graph="vision")]
+
+    def write_runtime_files(self, out: Path) -> RuntimeFiles:
         """Tokenizer (as transformers loads it for lfm2_vl: tokenizer.json as is, spec 3.4), the processor's chat
         template (spec 3.3: the processor's, else the tokenizer's), the vision position table. Returns what the
         manifest records."""
@@ -206,8 +226,9 @@ class D1ExportConfig:
             raise ValueError("the checkpoint has no chat template (processor or tokenizer); d1 renders with it")
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
         np.save(out / "vision_positions.npy", self.position_table)
-        return {"tokenizer_class": type(tokenizer).__name__, "special_tokens": dict(tokenizer.special_tokens_map),
-                "image_processor": self.image_config.to_dict()}
+        fields = {**self.manifest_bits(),
+                  "vision": {**self.image_config.to_dict(), "positions_file": "vision_positions.npy"}}
+        return RuntimeFiles(type(tokenizer).__name__, dict(tokenizer.special_tokens_map), fields)
 
     def manifest_bits(self) -> dict[str, Any]:
         t = self.text_config

@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..models.d3 import DecisionConfig
+from ...models.d3 import D3Family, DecisionConfig
+from ...runtime.batch import BatchBudget, MediaRows
+from ...runtime.d3.code_logits import CodeLogitsRunner, text_positions
+from ...runtime.d3.vision_inputs import vision_inputs
+from ...runtime.session import GraphSession
+from ..config import ExportConfig, Gate, GraphSpec, RuntimeFiles
+from ..parity import check_parity, sample_prompts, worst_vision_sample
 from .qwen3_5_text import D3TextGraph
 from .qwen3_5_vision import D3VisionGraph
 
@@ -31,16 +37,16 @@ VISION_AXES = {name: {0: "patches"} for name in VISION_INPUTS}
 VISION_PARITY_GRIDS = ((2, 2), (4, 6), (16, 16), (2, 40), (30, 8))
 
 
-def is_d3_checkpoint(root: Path) -> bool:
-    """Spec 4.1: `architectures == ["Qwen3_5Model"]` and a `decision_config.json`."""
-    config = root / "config.json"
-    if not config.is_file():
-        return False
-    architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures")
-    return architectures == ["Qwen3_5Model"] and (root / "decision_config.json").is_file()
+# The real d3 prompts the text gate checks, besides random token runs.
+SAMPLE_REQUEST = {"state": {"ticket": "Refund not received after 10 days", "tier": "gold"},
+                  "questions": {
+                      "urgent": {"type": "noul", "instructions": "Is it urgent?"},
+                      "team": {"type": "choice", "criteria": {"billing": "money", "support": None}},
+                      "mood": {"type": "score", "criteria": ["calm", "annoyed", "furious"]}}}
+RANDOM_TOKEN_IDS = 150_000  # random prompts draw from the ids every Qwen3.5 vocabulary has
 
 
-class D3ExportConfig:
+class D3ExportConfig(ExportConfig):
     family = "d3"
 
     def __init__(self, checkpoint: Path):
@@ -83,8 +89,6 @@ class D3ExportConfig:
         return D3VisionGraph(self.model.visual).eval()
 
     def vision_example_inputs(self) -> tuple[torch.Tensor, ...]:
-        from ..runtime.qwen_vision import vision_inputs
-
         h, w = 16, 20
         grid = vision_inputs(h, w, self.model.visual.num_grid_per_side, self.vision_config.spatial_merge_size)
         width = self.vision_config.in_channels * self.vision_config.temporal_patch_size * self.vision_config.patch_size**2
@@ -149,9 +153,69 @@ class D3ExportConfig:
             embeds[0, torch.from_numpy(media_positions).to(device)] = torch.from_numpy(media_embeds).to(device)
         return self._read_last_token(len(token_ids), positions, inputs_embeds=embeds)
 
-    def write_runtime_files(self, out: Path) -> dict[str, Any]:
-        return write_runtime_files(self.checkpoint, out)
+    # -- the declaration the pipeline reads -------------------------------------------------------------------
+    def graphs(self) -> list[GraphSpec]:
+        # One named dimension ties media_embeds and media_index together; batch and sequence stay DYNAMIC
+        # (named dims would make export prove guards on the chunk arithmetic that it cannot).
+        dims = {"batch": torch.export.Dim.DYNAMIC, "sequence": torch.export.Dim.DYNAMIC,
+                "media": torch.export.Dim("media", max=1 << 24)}
+        text_shapes = {name: {axis: dims[role] for axis, role in axes.items()} for name, axes in TEXT_AXES.items()}
+        return [
+            GraphSpec("text", TEXT_INPUTS, TEXT_OUTPUTS, TEXT_AXES, text_shapes, self.graph, self.example_inputs),
+            GraphSpec("vision", VISION_INPUTS, VISION_OUTPUTS, VISION_AXES,
+                      {name: {0: torch.export.Dim.DYNAMIC} for name in VISION_INPUTS}, self.vision_graph,
+                      self.vision_example_inputs),
+        ]
 
+    def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
+        def text(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
+            hidden = int(self.text_config.hidden_size)
+            runner = CodeLogitsRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(), hidden)
+            family = D3Family.load(staging)
+            prompts = sample_prompts(family, staging, files, SAMPLE_REQUEST, lengths, seed, RANDOM_TOKEN_IDS)
+            rng = np.random.default_rng(seed)
+            media = MediaRows(rng.standard_normal((6, hidden)).astype(np.float32), np.arange(20, 26, dtype=np.int64))
+
+            def reference(ids: list[int], media: MediaRows | None = None) -> np.ndarray:
+                if media is None:
+                    return self.reference_logits(ids, text_positions(len(ids)))
+                return self.reference_logits(ids, text_positions(len(ids)), media.embeds, media.positions)
+
+            report = check_parity(lambda batch, media=None: runner.run(batch, media=media), reference, prompts,
+                                  self.decision_config.temperature, atol, prob_atol,
+                                  media_samples=[("media-embeds", prompts[-1][1], media)])
+            report["summary"] = (f"max |logit diff| {report['max_abs_logit_diff']:.2e}, "
+                                 f"max |prob diff| {report['max_abs_prob_diff']:.2e}")
+            return report
+
+        def vision(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
+            session = GraphSession(staging / "vision.onnx", "cpu")
+            rng = np.random.default_rng(0)
+            config = self.vision_config
+            width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+            rows = []
+            for h, w in VISION_PARITY_GRIDS:
+                pixels = rng.standard_normal((h * w, width)).astype(np.float32)
+                feeds = {"pixel_values": pixels, **vision_inputs(h, w, self.model.visual.num_grid_per_side,
+                                                                 config.spatial_merge_size)}
+                diff = float(np.abs(session.run(feeds)[0] - self.reference_vision(pixels, h, w)).max())
+                rows.append({"grid": [h, w], "max_abs_diff": diff})
+            return worst_vision_sample(rows, atol, "the torch vision tower")
+
+        return [Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts", text),
+                Gate("checking the vision graph against the torch vision tower", vision, graph="vision")]
+
+    def write_runtime_files(self, staging: Path) -> RuntimeFiles:
+        bits = write_runtime_files(self.checkpoint, staging)
+        vision = self.vision_config
+        fields = {"attention_mode": self.attention_mode,
+                  "num_attention_heads": int(self.text_config.num_attention_heads),
+                  "hidden_size": int(self.text_config.hidden_size),
+                  "vision": {**bits["image_processor"], "patch_size": vision.patch_size,
+                             "temporal_patch_size": vision.temporal_patch_size,
+                             "merge_size": vision.spatial_merge_size,
+                             "position_grid_side": int(self.model.visual.num_grid_per_side)}}
+        return RuntimeFiles(bits["tokenizer_class"], bits["special_tokens"], fields)
 
 def write_runtime_files(checkpoint: Path, out: Path) -> dict[str, Any]:
     """Tokenizer (as transformers builds it: the Qwen3.5 rebuild, spec 4.7), the tokenizer's chat template (spec

@@ -31,7 +31,6 @@ class D3VisionGraph(nn.Module):
                              persistent=False)
         self.register_buffer("patch_bias", proj.bias.detach().float().clone(), persistent=False)
         self.register_buffer("inv_freq", visual.rotary_pos_emb.inv_freq.float().clone(), persistent=False)
-        self.merge_unit = visual.spatial_merge_unit
 
     def forward(self, pixel_values, interp_index, interp_weight, rotary_pos):
         visual = self.visual

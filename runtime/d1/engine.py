@@ -1,7 +1,7 @@
 """Family d1 on onnxruntime: the Liquid prompts of a request, its shared prefix prefilled once, the questions read
 as suffixes on that snapshot (spec 3).
 
-Order of the checks, as vLLM runs them (spec 1.3 step 8): images fetched and encoded, then every question's prompt
+Order of the checks, as vLLM runs them (spec 1.3 step 8): images fetched and read, then every question's prompt
 rendered, tokenized and checked for length (3.9) and its generation tail (3.5), then every question's label groups
 (3.6), then the reads (3.7). Each question's prompt is tokenized whole, exactly as vLLM tokenizes it; the prefix
 that all of them share (state, images, system turn) is found on the token ids, so reuse never changes a token.
@@ -13,18 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from ..models.d1 import LabelGroups
-from ..models.errors import DecisionError
-from ..models.family import Read
-from ..models.questions import LABELS, Question
-from ..models.request import DecisionRequest
-from .artifact import Artifact
-from .d1_media import D1MediaEncoder, EncodedImages, expand_images, media_rows
-from .d1_text import D1TextRunner, StateLayout
-from .lfm2_image import Lfm2ImageConfig
-from .media_fetch import FetchPolicy
-from .prompt import RenderedPrompt, render_texts
-from .session import GraphSession
+from ...models.errors import DecisionError
+from ...models.family import Readout
+from ...models.questions import QUESTION_TYPES, Question
+from ...models.request import DecisionRequest
+from ..artifact import Artifact
+from ..batch import BatchBudget
+from ..engine import Engine, EngineOptions, Prepared
+from ..media_encoder import LoadedMedia
+from ..prompt import RenderedPrompt, render_texts
+from ..session import GraphSession
+from .image_processor import Lfm2Image, Lfm2ImageConfig, placeholder_text
+from .images import D1ImageEncoder, expand_images, media_rows
+from .state import D1TextRunner, StateLayout
 
 TAIL_MISMATCH = "these chat options end the prompt differently, so the labels' tokens are unknown"
 
@@ -41,26 +42,23 @@ def shared_prefix(prompts: list[list[int]]) -> int:
     return min(length, shortest - 1)
 
 
-class D1Engine:
-    def __init__(self, artifact: Artifact, device: str, max_model_len: int | None, max_batch_tokens: int,
-                 threads: int | None, attention_budget: int, fetch_policy: FetchPolicy):
-        manifest = artifact.manifest
+class D1Engine(Engine):
+    def __init__(self, artifact: Artifact, options: EngineOptions):
+        fields = artifact.manifest.model
         self.artifact = artifact
         self.family = artifact.family
         self.tokenizer = artifact.tokenizer
         # The graph reads a prefix chunk by chunk and its KV cache grows linearly: the context is the model's.
-        self.max_model_len = max_model_len or artifact.max_model_len
-        self.session = GraphSession(artifact.graph_path("text"), device, threads)
-        layout = StateLayout(tuple(manifest["layer_types"]), int(manifest["num_key_value_heads"]),
-                             int(manifest["head_dim"]), int(manifest["num_attention_heads"]),
-                             int(manifest["hidden_size"]), int(manifest["conv_window"]))
-        self.runner = D1TextRunner(self.session, layout, max_batch_tokens, attention_budget)
-        self.vision_session = GraphSession(artifact.graph_path("vision"), device, threads)
-        vision = manifest["vision"]
-        self.media = D1MediaEncoder(self.vision_session, Lfm2ImageConfig.from_processor_config(vision),
-                                    np.load(artifact.root / vision["positions_file"]), self.tokenizer.encode,
-                                    fetch_policy)
-        self.image_token_id = int(manifest["image_token_id"])
+        self.max_model_len = options.max_model_len or artifact.max_model_len
+        self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads)
+        layout = StateLayout.from_manifest(fields)
+        self.runner = D1TextRunner(self.session, layout,
+                                   BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads))
+        self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads)
+        vision = fields["vision"]
+        self.media = D1ImageEncoder(self.vision_session, Lfm2ImageConfig.from_processor_config(vision),
+                                    np.load(artifact.root / vision["positions_file"]), options.fetch_policy)
+        self.image_token_id = int(fields["image_token_id"])
         self.max_chars_per_token = self.tokenizer.max_token_chars()
         self.tail = self._generation_tail()
         self.unsupported = self._generic_labels_problem()
@@ -78,7 +76,7 @@ class D1Engine:
     def _generic_labels_problem(self) -> str | None:
         """vLLM disables the endpoint (501) unless every generic label is one distinct token after the tail."""
         text = self.tokenizer.decode(self.tail)
-        for labels in LABELS.values():
+        for labels in (kind.labels for kind in QUESTION_TYPES.values()):
             seen: set[int] = set()
             for label in labels:
                 ids = self.tokenizer.encode(text + label)
@@ -115,9 +113,11 @@ class D1Engine:
                 f"longer than the maximum model length of {m}. Make sure that `max_model_len` is no smaller than "
                 "the number of text tokens (prompt + requested output tokens).")
 
-    def _prompts(self, request: DecisionRequest, questions: list[Question], run_options: Any = None
-                 ) -> tuple[list[RenderedPrompt], EncodedImages | None]:
-        images = self.media.encode(request, run_options) if request.images else None
+    def prepare(self, request: DecisionRequest, questions: list[Question]) -> Prepared:
+        """Images read, then every prompt rendered, tokenized and checked, then every question's labels."""
+        images = self.media.load(request) if request.images else None
+        placeholders = ([self.tokenizer.encode(placeholder_text(image)) for image in images.in_order()]
+                        if images is not None else [])
         texts = render_texts(self.artifact.template, self.family, request, questions)
         prompts = []
         count = len(request.images or ())
@@ -127,35 +127,31 @@ class D1Engine:
                 # Spec 8 Q7: `<image>` written in the state, instructions or options would take an image's place.
                 raise DecisionError(f"question {question.id!r}: the prompt holds {found} <image> tokens for {count} "
                                     "image(s); the state, instructions and options may not contain <image>")
-            expanded = expand_images(ids, self.image_token_id, images) if images is not None else ids
+            expanded = expand_images(ids, self.image_token_id, placeholders) if images is not None else ids
             self._check_length(question, text, ids, len(expanded))
             if expanded[len(expanded) - len(self.tail):] != self.tail:
                 raise DecisionError(TAIL_MISMATCH)
             prompts.append(RenderedPrompt(question, text, expanded))
-        return prompts, images
-
-    def prompts(self, request: DecisionRequest, questions: list[Question], run_options: Any = None
-                ) -> list[RenderedPrompt]:
-        return self._prompts(request, questions, run_options)[0]
+        labels = [self.family.labels(q, self.tokenizer.encode) for q in questions]
+        return Prepared(request, questions, prompts, labels, images)
 
     # -- reads (spec 3.6, 3.7) -------------------------------------------------------------------------------
-    def reads(self, request: DecisionRequest, questions: list[Question], run_options: Any = None,
-              reuse_prefix: bool = True) -> tuple[list[Read], list[RenderedPrompt]]:
-        """Each question's read and prompt. With `reuse_prefix` (the default) the shared prefix runs once and the
-        questions run as suffixes on its state; without, every whole prompt runs (the baseline of the benchmark)."""
-        prompts, images = self._prompts(request, questions, run_options)
-        groups: list[LabelGroups] = [self.family.label_groups(q, self.tokenizer.encode) for q in questions]
-        label_ids = sorted({i for g in groups for i in g.ids})
-        ids = [p.token_ids for p in prompts]
-        media = media_rows(ids[0], self.image_token_id, images) if images is not None else None
+    def run(self, prepared: Prepared, run_options: Any = None, reuse_prefix: bool = True) -> list[Readout]:
+        """Each question's label log-probabilities and greedy token. With `reuse_prefix` (the default) the shared
+        prefix runs once and the questions run as suffixes on its state; without, every whole prompt runs (the
+        baseline the prefix saving is measured against)."""
+        label_ids = sorted({i for g in prepared.labels for i in g.ids})
+        ids = [p.token_ids for p in prepared.prompts]
+        images: LoadedMedia[Lfm2Image] | None = prepared.media
+        media = None
+        if images is not None:
+            media = media_rows(ids[0], self.image_token_id, self.media.encode(images, run_options))
         if reuse_prefix:
             split = shared_prefix(ids)
             if media is not None and len(media.positions) and media.positions[-1] >= split:
                 raise RuntimeError("image rows past the shared prefix")
             snapshot = self.runner.extend(self.runner.empty(), ids[0][:split], media, run_options)
-            logprobs, argmax = self.runner.read(snapshot, [p[split:] for p in ids], label_ids, run_options)
+            logprobs, argmax = self.runner.suffix_logprobs(snapshot, [p[split:] for p in ids], label_ids, run_options)
         else:
-            logprobs, argmax = self.runner.read_full(ids, label_ids, media, run_options)
-        reads = [self.family.read(q, g, dict(zip(label_ids, row.tolist())), int(top))
-                 for q, g, row, top in zip(questions, groups, logprobs, argmax)]
-        return reads, prompts
+            logprobs, argmax = self.runner.whole_logprobs(ids, label_ids, media, run_options)
+        return [Readout(dict(zip(label_ids, row.tolist())), int(top)) for row, top in zip(logprobs, argmax)]

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from PIL import Image
 
-from .image_transform import fit_area, normalize, resize_bilinear
+from ..image_transform import fit_area, normalize, resize_bilinear
 
 MAX_PIXELS = 1024 * 1024  # vLLM's d1 cap on the pixels of one image (spec 3.8 step 2)
 PIL_BILINEAR = 2  # PILImageResampling.BILINEAR, the only resample the torchvision port implements

@@ -9,17 +9,19 @@ right-padded batches on that snapshot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .session import GraphSession
+from ..batch import BatchBudget, MediaRows, pad_right
+from ..session import GraphSession
 
 
 @dataclass(frozen=True)
 class StateLayout:
-    """The decoder's layer kinds and state shapes, from the artifact manifest."""
+    """The decoder's layer kinds and state shapes, as the artifact manifest records them."""
 
     layer_types: tuple[str, ...]
     kv_heads: int
@@ -28,18 +30,18 @@ class StateLayout:
     hidden: int
     conv_window: int
 
-    def input_names(self) -> list[str]:
-        return _names(self.layer_types, "past")
+    @classmethod
+    def from_manifest(cls, fields: Mapping[str, Any]) -> StateLayout:
+        return cls(tuple(fields["layer_types"]), int(fields["num_key_value_heads"]), int(fields["head_dim"]),
+                   int(fields["num_attention_heads"]), int(fields["hidden_size"]), int(fields["conv_window"]))
 
-    def output_names(self) -> list[str]:
-        return _names(self.layer_types, "new")
-
-
-def _names(layer_types: Sequence[str], prefix: str) -> list[str]:
-    names = []
-    for i, kind in enumerate(layer_types):
-        names += [f"{prefix}_key_{i}", f"{prefix}_value_{i}"] if kind == "full_attention" else [f"{prefix}_conv_{i}"]
-    return names
+    def names(self, prefix: str) -> list[str]:
+        """Per decoder layer in order: `{prefix}_key_i`, `{prefix}_value_i` (attention) or `{prefix}_conv_i`."""
+        names = []
+        for i, kind in enumerate(self.layer_types):
+            names += ([f"{prefix}_key_{i}", f"{prefix}_value_{i}"] if kind == "full_attention"
+                      else [f"{prefix}_conv_{i}"])
+        return names
 
 
 @dataclass(frozen=True)
@@ -50,31 +52,17 @@ class Snapshot:
     states: tuple[np.ndarray, ...]
 
 
-@dataclass(frozen=True)
-class MediaRows:
-    """Vision rows and the prompt positions they fill."""
-
-    embeds: np.ndarray  # [M, hidden] float32
-    positions: np.ndarray  # [M] int64
-
-
 # A row shorter than this fraction of its batch's longest starts a new batch: padded positions cost as much as
 # real ones, and the questions' suffixes differ a lot in length (a 26-option choice against a yes/no).
 MIN_FILL = 0.75
 
 
-def attention_bytes(batch: int, length: int, past: int, heads: int) -> int:
-    """Memory of one attention layer's scores and probabilities (float32) for a batch of `length` new tokens."""
-    return 2 * 4 * heads * batch * length * (past + length)
-
-
 class D1TextRunner:
-    def __init__(self, session: GraphSession, layout: StateLayout, max_batch_tokens: int = 32768,
-                 attention_budget: int = 4 << 30):
+    def __init__(self, session: GraphSession, layout: StateLayout, budget: BatchBudget):
         self.session = session
         self.layout = layout
-        self.max_batch_tokens = max_batch_tokens
-        self.attention_budget = attention_budget
+        self.budget = budget
+        self.past_names = layout.names("past")
 
     # -- state -----------------------------------------------------------------------------------------------
     def empty(self) -> Snapshot:
@@ -88,27 +76,11 @@ class D1TextRunner:
                 states.append(np.zeros((1, lay.hidden, lay.conv_window), np.float32))
         return Snapshot(0, tuple(states))
 
-    def fits(self, batch: int, length: int, past: int) -> bool:
-        return (batch * length <= self.max_batch_tokens
-                and attention_bytes(batch, length, past, self.layout.heads) <= self.attention_budget)
-
-    def chunk_length(self, past: int) -> int:
-        """The longest run of new tokens one row may add after `past` tokens within both budgets."""
-        n = 1
-        while self.fits(1, n * 2, past):
-            n *= 2
-        return n
-
     def _feeds(self, ids: np.ndarray, last: np.ndarray, labels: np.ndarray, snapshot: Snapshot,
                media: MediaRows | None) -> dict[str, np.ndarray]:
-        if media is None or len(media.positions) == 0:
-            embeds = np.zeros((0, self.layout.hidden), np.float32)
-            index = np.zeros((0,), np.int64)
-        else:
-            embeds, index = media.embeds, media.positions
-        feeds = {"input_ids": ids, "media_embeds": embeds, "media_index": index, "last_index": last,
-                 "label_ids": labels}
-        feeds.update(zip(self.layout.input_names(), snapshot.states))
+        rows = media if media is not None and len(media.positions) else MediaRows.none(self.layout.hidden)
+        feeds = {"input_ids": ids, **rows.feeds(), "last_index": last, "label_ids": labels}
+        feeds.update(zip(self.past_names, snapshot.states))
         return feeds
 
     def extend(self, snapshot: Snapshot, ids: Sequence[int], media: MediaRows | None = None,
@@ -117,13 +89,9 @@ class D1TextRunner:
         labels = np.zeros((1,), np.int64)
         start = 0
         while start < len(ids):
-            size = min(self.chunk_length(snapshot.length), len(ids) - start)
+            size = min(self.budget.chunk_length(snapshot.length), len(ids) - start)
             chunk = np.asarray(ids[start:start + size], dtype=np.int64)[None]
-            rows = None
-            if media is not None:
-                lo, hi = snapshot.length, snapshot.length + size
-                keep = (media.positions >= lo) & (media.positions < hi)
-                rows = MediaRows(media.embeds[keep], media.positions[keep] - lo)
+            rows = None if media is None else media.window(snapshot.length, snapshot.length + size)
             out = self.session.run(self._feeds(chunk, np.array([size - 1]), labels, snapshot, rows), run_options)
             snapshot = Snapshot(snapshot.length + size, self._append(snapshot, out[2:]))
             start += size
@@ -136,35 +104,19 @@ class D1TextRunner:
         return tuple(states)
 
     # -- reads -----------------------------------------------------------------------------------------------
-    def _batches(self, lengths: Sequence[int], past: int) -> list[list[int]]:
-        """Row indices per graph call, longest first: rows of similar length (MIN_FILL) within both budgets."""
-        batches: list[list[int]] = []
-        for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-            longest = lengths[batches[-1][0]] if batches else 0
-            if (batches and lengths[index] >= MIN_FILL * longest
-                    and self.fits(len(batches[-1]) + 1, longest, past)):
-                batches[-1].append(index)
-            else:
-                batches.append([index])
-        return batches
-
     def _run_rows(self, base: Snapshot, rows: Sequence[Sequence[int]], labels: np.ndarray,
                   media: MediaRows | None, run_options) -> tuple[np.ndarray, np.ndarray]:
         """One graph call: `rows` right-padded on `base`, media rows at the same positions in every row; the
         label log-probabilities and greedy token at each row's last token."""
-        width = max(len(r) for r in rows)
-        ids = np.zeros((len(rows), width), np.int64)
-        for i, row in enumerate(rows):
-            ids[i, :len(row)] = row
+        ids, _ = pad_right(rows)
         if media is not None:
-            media = MediaRows(np.tile(media.embeds, (len(rows), 1)),
-                              (np.arange(len(rows))[:, None] * width + media.positions[None]).reshape(-1))
+            media = media.in_every_row(*ids.shape)
         last = np.array([len(r) - 1 for r in rows], np.int64)
         out = self.session.run(self._feeds(ids, last, labels, base, media), run_options)
         return out[0], out[1]
 
-    def read(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
-             run_options=None) -> tuple[np.ndarray, np.ndarray]:
+    def suffix_logprobs(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
+                        run_options=None) -> tuple[np.ndarray, np.ndarray]:
         """Each suffix read on the snapshot: log-probabilities [len(suffixes), K] at `label_ids` and the greedy
         token [len(suffixes)] at each suffix's last token. Suffixes run in padded batches of similar lengths within
         the budgets; one too long for a batch of its own is prefilled (all but its last chunk) on a copy of the
@@ -175,27 +127,27 @@ class D1TextRunner:
         fitting = []
         for index, suffix in enumerate(suffixes):
             n = len(suffix)
-            if self.fits(1, n, snapshot.length):
+            if self.budget.fits(1, n, snapshot.length):
                 fitting.append(index)
                 continue
-            keep = self.chunk_length(snapshot.length + n)  # the last chunk, read on the extended state
+            keep = self.budget.chunk_length(snapshot.length + n)  # the last chunk, read on the extended state
             own = self.extend(snapshot, suffix[:n - keep], run_options=run_options)
             logprobs[[index]], argmax[[index]] = self._run_rows(own, [suffix[n - keep:]], labels, None, run_options)
-        for batch in self._batches([len(suffixes[i]) for i in fitting], snapshot.length):
+        for batch in self.budget.plan([len(suffixes[i]) for i in fitting], snapshot.length, MIN_FILL):
             rows = [fitting[i] for i in batch]
             logprobs[rows], argmax[rows] = self._run_rows(snapshot, [suffixes[i] for i in rows], labels, None,
                                                           run_options)
         return logprobs, argmax
 
-    def read_full(self, prompts: Sequence[Sequence[int]], label_ids: Sequence[int], media: MediaRows | None = None,
-                  run_options=None) -> tuple[np.ndarray, np.ndarray]:
+    def whole_logprobs(self, prompts: Sequence[Sequence[int]], label_ids: Sequence[int],
+                       media: MediaRows | None = None, run_options=None) -> tuple[np.ndarray, np.ndarray]:
         """The same reads without prefix reuse: each whole prompt from an empty state, batched (the baseline the
         prefix saving is measured against). `media` rows sit at the same positions in every prompt."""
         labels = np.asarray(label_ids, dtype=np.int64)
         logprobs = np.zeros((len(prompts), len(labels)), np.float32)
         argmax = np.zeros((len(prompts),), np.int64)
         empty = self.empty()
-        for rows in self._batches([len(p) for p in prompts], 0):
+        for rows in self.budget.plan([len(p) for p in prompts], 0, MIN_FILL):
             logprobs[rows], argmax[rows] = self._run_rows(empty, [prompts[i] for i in rows], labels, media,
                                                           run_options)
         return logprobs, argmax

@@ -29,10 +29,6 @@ class MediaLayout:
     grids: tuple[tuple[int, int], ...]
     timestamps: tuple[float, ...] = field(default=())
 
-    @property
-    def tokens(self) -> int:
-        return sum(h * w for h, w in self.grids)
-
 
 @dataclass(frozen=True)
 class ExpandedPrefix:

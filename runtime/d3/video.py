@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .image_transform import normalize, patchify, resize_bicubic
-from .media_decode import MAX_IMAGE_PIXELS, decode_image
-from .media_fetch import MediaError
+from ..image_transform import normalize, patchify, resize_bicubic
+from ..media_decode import MAX_IMAGE_PIXELS, decode_image
+from ..media_fetch import MediaError
 
 SAMPLE_FPS = 2
 MIN_FRAMES, MAX_FRAMES = 4, 32

@@ -1,0 +1,89 @@
+"""Padded batches for the text graphs, the memory budget that bounds them, and the media rows they carry.
+
+Both families' text graphs materialise full-attention scores (O(length x (past + length)) a head), so every batch
+is planned within a padded-token budget and an attention-memory budget; the same rule bounds the longest prompt
+and the chunk a prefix is prefilled in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def attention_bytes(batch: int, length: int, past: int, heads: int) -> int:
+    """Memory of one attention layer's scores and probabilities (float32) for `length` new tokens a row."""
+    return 2 * 4 * heads * batch * length * (past + length)
+
+
+@dataclass(frozen=True)
+class BatchBudget:
+    max_batch_tokens: int = 32768
+    attention_budget: int = 4 << 30
+    heads: int = 1
+
+    def fits(self, batch: int, length: int, past: int = 0) -> bool:
+        return (batch * length <= self.max_batch_tokens
+                and attention_bytes(batch, length, past, self.heads) <= self.attention_budget)
+
+    def longest_prompt(self) -> int:
+        """The longest prompt one row may read at once within the attention budget."""
+        return int((self.attention_budget / attention_bytes(1, 1, 0, self.heads)) ** 0.5)
+
+    def chunk_length(self, past: int) -> int:
+        """The longest power-of-two run of new tokens one row may add after `past` tokens within both budgets."""
+        n = 1
+        while self.fits(1, n * 2, past):
+            n *= 2
+        return n
+
+    def plan(self, lengths: Sequence[int], past: int = 0, min_fill: float = 0.0) -> list[list[int]]:
+        """Row indices per graph call, longest first, each batch within both budgets; a row shorter than
+        `min_fill` of its batch's longest starts a new batch (padded positions cost as much as real ones)."""
+        batches: list[list[int]] = []
+        for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            longest = lengths[batches[-1][0]] if batches else 0
+            if (batches and lengths[index] >= min_fill * longest
+                    and self.fits(len(batches[-1]) + 1, longest, past)):
+                batches[-1].append(index)
+            else:
+                batches.append([index])
+        return batches
+
+
+def pad_right(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Rows right-padded to one [B, L] int64 batch, and its attention mask."""
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = row
+        mask[i, :len(row)] = 1
+    return ids, mask
+
+
+@dataclass(frozen=True)
+class MediaRows:
+    """Vision-graph rows and the prompt positions they fill, in row order."""
+
+    embeds: np.ndarray  # [M, hidden] float32
+    positions: np.ndarray  # [M] int64
+
+    @classmethod
+    def none(cls, hidden: int) -> MediaRows:
+        return cls(np.zeros((0, hidden), np.float32), np.zeros((0,), np.int64))
+
+    def window(self, start: int, stop: int) -> MediaRows:
+        """The rows at positions [start, stop), positions made relative to `start`."""
+        keep = (self.positions >= start) & (self.positions < stop)
+        return MediaRows(self.embeds[keep], self.positions[keep] - start)
+
+    def in_every_row(self, batch: int, width: int) -> MediaRows:
+        """The same rows at the same positions of each row of a [batch, width] batch, as flat indices."""
+        index = (np.arange(batch, dtype=np.int64)[:, None] * width + self.positions[None, :]).reshape(-1)
+        return MediaRows(np.tile(self.embeds.astype(np.float32), (batch, 1)), index)
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return {"media_embeds": self.embeds, "media_index": self.positions}

@@ -1,0 +1,61 @@
+"""The contract every family's engine keeps, and the options every engine takes.
+
+An engine turns a validated request into one `Readout` per question, in two steps: `prepare` does everything that
+can refuse the request (media read, prompts rendered, tokenized and checked, labels found) without running a
+graph, so a bad request is refused before it takes an inference slot; `run` runs the graphs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..models.family import Family, Labels, Readout
+from ..models.questions import Question
+from ..models.request import DecisionRequest
+from .artifact import Artifact
+from .media_fetch import FetchPolicy
+from .prompt import RenderedPrompt
+from .session import GraphSession
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "auto"
+    max_model_len: int | None = None  # longest prompt; None: the model's (and the memory budget's)
+    max_batch_tokens: int = 32768
+    threads: int | None = None
+    attention_budget: int = 4 << 30  # bytes of attention scores one graph call may hold
+    fetch_policy: FetchPolicy = field(default_factory=FetchPolicy)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to run: each question's prompt and labels, and the family's media (read, not encoded)."""
+
+    request: DecisionRequest
+    questions: list[Question]
+    prompts: list[RenderedPrompt]
+    labels: list[Labels]
+    media: Any = None
+
+
+class Engine(ABC):
+    family: Family
+    max_model_len: int
+    session: GraphSession  # the text graph's
+    unsupported: str | None = None  # why the model cannot serve decisions at all, if it cannot
+
+    @abstractmethod
+    def __init__(self, artifact: Artifact, options: EngineOptions):
+        """Open the artifact's graphs on `options.device`."""
+
+    @abstractmethod
+    def prepare(self, request: DecisionRequest, questions: list[Question]) -> Prepared:
+        """Media read, prompts and labels; raises `DecisionError` for anything the model cannot answer."""
+
+    @abstractmethod
+    def run(self, prepared: Prepared, run_options: Any = None) -> list[Readout]:
+        """One readout per question, in question order. `run_options` (onnxruntime RunOptions) lets the caller
+        stop the graph runs in flight."""

@@ -1,0 +1,60 @@
+"""A request's media, taken once (decision 6): each distinct URL fetched, decoded and preprocessed once
+(concurrently), then run through the vision graph once, whatever the number of questions.
+
+Loading (fetch, decode, preprocess) and encoding (the vision graph) are two steps: every media error is found
+while loading, before the request takes an inference slot; encoding runs in the slot. A family's encoder says
+which media a request carries, how one is loaded and how its rows come out of the vision graph.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from ..models.request import DecisionRequest
+from .media_fetch import FetchPolicy, load_each_once
+from .session import GraphSession
+
+Item = TypeVar("Item")
+
+
+@dataclass(frozen=True)
+class LoadedMedia(Generic[Item]):
+    """A request's media after loading: the keys in request order and one preprocessed item per distinct key."""
+
+    keys: list[Hashable]
+    items: dict[Hashable, Item]
+
+    def in_order(self) -> list[Item]:
+        return [self.items[key] for key in self.keys]
+
+
+class MediaEncoder(ABC, Generic[Item]):
+    def __init__(self, session: GraphSession, policy: FetchPolicy):
+        self.session = session
+        self.policy = policy
+
+    @abstractmethod
+    def jobs(self, request: DecisionRequest) -> list[tuple[Hashable, str]]:
+        """(key, where) of every media input in prompt order; `where` names it in errors ("images[0]")."""
+
+    @abstractmethod
+    def load_one(self, key: Hashable, where: str) -> Item:
+        """Fetch, decode and preprocess one input; a `DecisionError` naming `where` when it cannot be read."""
+
+    @abstractmethod
+    def rows(self, item: Item, run_options: Any) -> np.ndarray:
+        """The vision graph's rows [n, hidden] of one preprocessed input."""
+
+    def load(self, request: DecisionRequest) -> LoadedMedia[Item]:
+        jobs = self.jobs(request)
+        return LoadedMedia([key for key, _ in jobs], load_each_once(jobs, self.load_one))
+
+    def encode(self, media: LoadedMedia[Item], run_options: Any = None) -> np.ndarray:
+        """Rows of every input in prompt order [rows, hidden] float32; each distinct input runs once."""
+        encoded = {key: self.rows(item, run_options) for key, item in media.items.items()}
+        return np.concatenate([encoded[key] for key in media.keys]).astype(np.float32)
