@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..short_conv import shifted_conv
+
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -79,11 +81,7 @@ class Lfm2ConvBlock(nn.Module):
         b, c, xx = bcx.chunk(3, dim=1)
         bx = b * xx  # [B, H, T]
         window = torch.cat([past_conv.expand(bx.shape[0], -1, -1), bx], dim=2)
-        # The depthwise causal convolution as L shifted products: the same sum as conv1d, without a grouped Conv
-        # (cuDNN's grouped conv made the whole graph 3x slower on CUDA and searched algorithms at every new shape).
-        weight = self.conv.conv.weight[:, 0, :]  # [H, L]
-        length = bx.shape[2]
-        out = sum(window[:, :, k:k + length] * weight[:, k:k + 1] for k in range(weight.shape[1]))
+        out = shifted_conv(window, self.conv.conv.weight[:, 0, :], bx.shape[2])
         if self.conv.conv.bias is not None:
             out = out + self.conv.conv.bias[:, None]
         y = self.conv.out_proj((c * out).transpose(1, 2))

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
+from ..short_conv import shifted_conv
+
 CHUNK = 64
 
 
@@ -110,8 +112,8 @@ class GatedDeltaNetLayer(nn.Module):
         hidden = hidden * pad_mask[:, :, None].to(hidden.dtype)
         batch, length, _ = hidden.shape
         mixed = hf.in_proj_qkv(hidden).transpose(1, 2)
-        mixed = F.conv1d(mixed, hf.conv1d.weight, None, padding=hf.conv_kernel_size - 1, groups=hf.conv_dim)
-        mixed = F.silu(mixed[:, :, :length]).transpose(1, 2)
+        window = F.pad(mixed, (hf.conv_kernel_size - 1, 0))  # the causal conv's zeros before the first token
+        mixed = F.silu(shifted_conv(window, hf.conv1d.weight[:, 0, :], length)).transpose(1, 2)
         query, key, value = torch.split(mixed, [hf.key_dim, hf.key_dim, hf.value_dim], dim=-1)
         query = query.reshape(batch, length, -1, hf.head_k_dim)
         key = key.reshape(batch, length, -1, hf.head_k_dim)
