@@ -111,6 +111,19 @@ def test_empty_or_served_model_name_passes(client, model):
     assert post(client, {"model": model, "state": None, "questions": {"q": NOUL}}).status_code == 200
 
 
+def test_jev_latest_reaches_the_served_model_and_the_response_names_it(client):
+    """TypeSafe's SDK sends `jev-latest` unless told otherwise (jevcompat MUST request.model-alias)."""
+    response = post(client, {"model": "jev-latest", "state": None, "questions": {"q": NOUL}})
+    assert response.status_code == 200 and response.json()["model"] == SERVED
+
+
+def test_the_jev_latest_alias_can_be_turned_off(d3_artifact):
+    service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"), aliases=())
+    assert_error(post(TestClient(create_app(service)), {"model": "jev-latest", "state": None,
+                                                        "questions": {"q": NOUL}}), 404,
+                 "The model `jev-latest` does not exist. Valid aliases: d3-tiny.", param="model")
+
+
 def test_model_check_comes_before_question_checks(client):
     assert post(client, {"model": "nope", "state": None, "questions": {}}).status_code == 404
 
