@@ -127,7 +127,7 @@ def test_render_shows_the_prompt_text_and_token_ids(d3_artifact, d3_service, tmp
     body = {"state": {"a": 1}, "questions": {"q1": {"type": "noul"}, "q2": {"type": "score", "criteria": ["a", "b"]}}}
     request = tmp_path / "req.json"
     request.write_text(json.dumps(body))
-    assert main(["render", str(d3_artifact), "--request", str(request), "--device", "cpu"]) == 0
+    assert main(["render", str(d3_artifact), "--request", str(request), "--device", "cpu", "--format", "json"]) == 0
     shown = json.loads(capsys.readouterr().out)["questions"]
     expected = d3_service.render(body)
     assert [q["id"] for q in shown] == ["q1", "q2"]
