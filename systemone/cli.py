@@ -110,6 +110,14 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
         print(f"systemone serve: {key:<13} {value}", flush=True)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import run_doctor
+
+    for line in run_doctor(args.artifact, args.device):
+        print(line)
+    return 0
+
+
 def _print_result(args: argparse.Namespace, produce: Callable[[Any, Any], Any]) -> int:
     """Load the artifact and the request, print `produce(service, body)` as JSON (or the error body, exit 1)."""
     from .models.errors import DecisionError, SchemaError
@@ -228,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level")
     serve.set_defaults(func=cmd_serve)
+
+    doctor = sub.add_parser("doctor", help="what this machine can run: onnxruntime, providers, GPU, CUDA "
+                            "libraries; with an artifact, what serve would use", parents=[common],
+                            formatter_class=formatter)
+    doctor.add_argument("artifact", nargs="?", default=None, help="an exported artifact directory (optional)")
+    doctor.add_argument("--device", default="auto", choices=DEVICES, help="the device serve would be asked for")
+    doctor.set_defaults(func=cmd_doctor)
 
     for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),
                              ("render", cmd_render, "print each question's prompt text and token ids")):
