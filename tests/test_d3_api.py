@@ -144,7 +144,8 @@ def test_model_check_comes_before_question_checks(client):
                                                          "and false"),
     ({"q": {"type": "noul", "criteria": {"ture": "x"}}}, "question 'q': noul criteria must be an object with true "
                                                          "and false"),
-    ({"q": {"type": "score", "criteria": ["calm"]}}, "question 'q': score criteria must be an ordered list of levels"),
+    ({"q": {"type": "score", "criteria": ["calm"]}}, "question 'q': score criteria need at least 2 levels (got 1)"),
+    ({"q": {"type": "score", "criteria": []}}, "question 'q': score criteria need at least 2 levels (got 0)"),
     ({"q": {"type": "score", "criteria": {"0": "a", "1": "b"}}},
      "question 'q': score criteria must be an ordered list of levels"),
     ({"q": {"type": "score", "criteria": ["low", "low"]}}, "question 'q': duplicate option names"),
@@ -159,7 +160,7 @@ def test_question_rules(client, questions, message):
 def test_question_id_repr_uses_python_quoting(client):
     """Spec 2.6: repr(qid) switches to double quotes when the id holds a single quote."""
     response = post(client, {"state": None, "questions": {"it's": {"type": "score", "criteria": ["a"]}}})
-    assert_error(response, 400, "question \"it's\": score criteria must be an ordered list of levels")
+    assert_error(response, 400, "question \"it's\": score criteria need at least 2 levels (got 1)")
 
 
 def test_first_failing_question_wins(client):
