@@ -260,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_third_party() -> Iterator[None]:
     """torch, torchvision and transformers warn about their own internals during export; a user cannot act on
     them. Restored on the way out, so a caller in the same process (a test) keeps its own settings."""
-    quiet = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    # TORCH_LOGS "-onnx": torch.onnx logs errors only (not "torchvision is not installed" four times per graph).
+    quiet = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TORCH_LOGS": "-onnx",
+             "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     saved = {key: os.environ.get(key) for key in quiet}
     os.environ.update({key: os.environ.get(key) or value for key, value in quiet.items()})
     try:
