@@ -129,7 +129,7 @@ class ErrorPart(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    error_type: str
+    error_type: str = Field(description="the status's kind, e.g. invalid_request_error, not_found_error")
     message: str
 
 
