@@ -150,3 +150,35 @@ def test_third_party_warnings_are_silenced_only_while_a_command_runs(monkeypatch
     assert len(recwarn) == 0 and "TRANSFORMERS_VERBOSITY" not in os.environ
     warnings.warn("after", UserWarning)
     assert len(recwarn) == 1
+
+
+ROOT = REQUEST.parent.parent
+
+
+def test_export_scripts_run_without_an_activated_venv():
+    """From the repository root with a PATH that has no venv (and no `systemone`): the script finds .venv."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    env.pop("VIRTUAL_ENV", None)
+    done = subprocess.run(["bash", "scripts/export_d3_edge.sh", "--help"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: systemone export")
+
+
+def test_the_demo_refuses_a_busy_port_at_once():
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(["bash", "scripts/demo.sh"], cwd=ROOT, env={**os.environ, "PORT": str(port)},
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"port {port} is in use; run the demo on another one: "
+                                   "PORT=8766 bash scripts/demo.sh d3")
