@@ -109,6 +109,17 @@ def cmd_render(args: argparse.Namespace) -> int:
     return _print_result(args, render)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench, write_report
+
+    report = run_bench(Path(args.checkpoint), Path(args.artifact), args.device, tuple(args.batches),
+                       tuple(args.lengths), args.repeats, args.request_repeats, tuple(args.torch_dtypes))
+    if args.out:
+        write_report(report, Path(args.out))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def _runtime_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="an exported artifact directory")
     parser.add_argument("--device", default="auto", choices=DEVICES,
@@ -158,6 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-requests", action="store_true", help="log request bodies (they hold the state)")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="the runtime against transformers eager on one checkpoint and its artifact, "
+                           "side by side (needs the export extra)")
+    bench.add_argument("checkpoint", help="the checkpoint directory the artifact was exported from")
+    bench.add_argument("--artifact", required=True, help="the exported artifact directory")
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides run")
+    bench.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64], help="token-batch sizes")
+    bench.add_argument("--lengths", type=int, nargs="+", default=[200, 1000], help="token-batch prompt lengths")
+    bench.add_argument("--repeats", type=int, default=10, help="timed runs per token batch (after a warm-up)")
+    bench.add_argument("--request-repeats", type=int, default=30, help="timed whole requests per kind")
+    bench.add_argument("--torch-dtypes", nargs="+", default=["bfloat16", "float32"], help="transformers eager dtypes")
+    bench.add_argument("--out", default=None, help="also write the JSON report here (e.g. scripts/results/)")
+    bench.set_defaults(func=cmd_bench)
 
     for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),
                              ("render", cmd_render, "print each question's prompt text and token ids")):
