@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from systemone.models.d3 import D3Family, DecisionConfig
