@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,21 +67,24 @@ def directory_bytes(root: Path) -> int:
 
 
 @dataclass
-class Workload:
+class Workload(ABC):
     """A family's batches and requests: how to run a token batch through the runtime and through torch."""
 
     service: DecisionService
     reference: Any  # the family's ExportConfig (torch model on the reference device)
     vocab: int
 
+    @abstractmethod
     def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """The runtime's numbers for a [B, L] batch of token ids (the graph run only)."""
 
+    @abstractmethod
     def torch_batch(self, model: Any, ids: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """The same numbers from the torch model (`model`: the reference's, moved to a device and dtype)."""
 
+    @abstractmethod
     def requests(self) -> dict[str, Callable[[int], dict[str, Any]]]:
-        raise NotImplementedError
+        """Whole-request kinds: name -> the i-th request body."""
 
 
 class D3Workload(Workload):
@@ -187,9 +191,12 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
     shapes = [(b, n) for n in lengths for b in batches if b * n <= max_tokens]
     token_batches = {shape: rng.integers(0, vocab, shape) for shape in shapes}
 
-    runtime_out = {}
+    runtime_out: dict[tuple[int, int], np.ndarray] = {}
     for (b, n), ids in token_batches.items():
-        times = timed(lambda: runtime_batch_out(work, ids, runtime_out, (b, n)), repeats)
+        def run_runtime(ids: np.ndarray = ids, key: tuple[int, int] = (b, n)) -> None:
+            runtime_out[key] = work.runtime_batch(ids)
+
+        times = timed(run_runtime, repeats)
         row = {"batch": b, "length": n, "runtime_ms": percentile_ms(times, 50),
                "runtime_questions_per_s": b / float(np.median(times))}
         report["batches"].append(row)
@@ -227,10 +234,6 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
         if torch_device == "cuda":
             report[f"torch_{dtype_name}_peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return report
-
-
-def runtime_batch_out(work: Workload, ids: np.ndarray, store: dict, key: tuple[int, int]) -> None:
-    store[key] = work.runtime_batch(ids)
 
 
 def write_report(report: dict[str, Any], out: Path) -> None:
