@@ -4,6 +4,7 @@
 wheel=~/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
 if [ ! -d ~/site/onnxruntime ]; then
   cat ~/p/part0? > "$wheel"
+  shopt -s nullglob
   python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site "$wheel" .device/wheels/*.whl
 fi
 mkdir -p ~/pkg/systemone

@@ -157,6 +157,27 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench, write_report
+
+    if args.serve:
+        from .loadgen import run_load
+
+        report = run_load(args.serve, args.family, tuple(args.clients), args.seconds, args.model, args.reference)
+        if args.out:
+            write_report(report, Path(args.out))
+        return 0
+    if not args.checkpoint or not args.artifact:
+        print("systemone bench: give CHECKPOINT and --artifact (or --serve URL for a load run)", file=sys.stderr)
+        return 2
+    report = run_bench(Path(args.checkpoint), Path(args.artifact), args.device, tuple(args.batches),
+                       tuple(args.lengths), args.repeats, args.request_repeats, tuple(args.torch_dtypes))
+    if args.out:
+        write_report(report, Path(args.out))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def _runtime_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="an exported artifact directory")
     parser.add_argument("--device", default="auto", choices=DEVICES,
@@ -243,6 +264,28 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("artifact", nargs="?", default=None, help="an exported artifact directory (optional)")
     doctor.add_argument("--device", default="auto", choices=DEVICES, help="the device serve would be asked for")
     doctor.set_defaults(func=cmd_doctor)
+
+    bench = sub.add_parser("bench", help="the runtime against transformers eager on one checkpoint and its artifact, "
+                           "side by side (needs the export extra)", parents=[common],
+                           formatter_class=formatter)
+    bench.add_argument("checkpoint", nargs="?", help="the checkpoint directory the artifact was exported from")
+    bench.add_argument("--artifact", help="the exported artifact directory")
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides run")
+    bench.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64], help="token-batch sizes")
+    bench.add_argument("--lengths", type=int, nargs="+", default=[200, 1000], help="token-batch prompt lengths")
+    bench.add_argument("--repeats", type=int, default=10, help="timed runs per token batch (after a warm-up)")
+    bench.add_argument("--request-repeats", type=int, default=30, help="timed whole requests per kind")
+    bench.add_argument("--torch-dtypes", nargs="+", default=["bfloat16", "float32"], help="transformers eager dtypes")
+    bench.add_argument("--out", default=None, help="also write the JSON report here (e.g. scripts/results/)")
+    load = bench.add_argument_group("load run (--serve): the seeds' request mix, N clients in a closed loop")
+    load.add_argument("--serve", metavar="URL", help="POST endpoint of a running server, e.g. "
+                      "http://127.0.0.1:8000/v1/systemone")
+    load.add_argument("--reference", metavar="URL", help="a reference server's endpoint, run on the same requests")
+    load.add_argument("--family", default="d3", choices=["d1", "d3"], help="which mix (d1: images, <= 26 options)")
+    load.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64], help="closed-loop client counts")
+    load.add_argument("--seconds", type=float, default=30.0, help="seconds per client count")
+    load.add_argument("--model", default=None, help="the model name to send (default: none, the served one)")
+    bench.set_defaults(func=cmd_bench)
 
     for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),
                              ("render", cmd_render, "print each question's prompt text and token ids")):

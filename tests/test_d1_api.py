@@ -1,5 +1,6 @@
-"""The HTTP contract of d1 on POST /v1/systemone: spec 7.6's cases for the d1 column, the d1 family checks in spec
-1.3 step 8's order, the prompt-length messages of 3.9, and the response assembly of spec 5."""
+"""The HTTP contract of d1 on POST /v1/systemone beyond what both families share (test_api_contract.py): spec
+7.6's d1 column, the d1 family checks in spec 1.3 step 8's order, the prompt-length messages of 3.9, and the
+response assembly of spec 5."""
 
 from __future__ import annotations
 
@@ -23,18 +24,12 @@ def client(d1_service):
 
 
 @pytest.mark.parametrize("questions,message", [
-    ({}, "questions: needs at least one question"),
-    ({f"q{i}": NOUL for i in range(65)}, "questions: at most 64 for this model"),
-    ({"q": {**NOUL, "x": 1}}, "question 'q': unknown field(s) ['x']"),
-    ({"": NOUL}, "question ids must be non-empty"),
-    ({"q": {"type": "Choice"}}, "unknown question type 'Choice'; supported: ['choice', 'noul', 'score']"),
     ({"q": {"type": "choice", "criteria": {f"o{i}": None for i in range(27)}}},
      "question 'q': at most 26 options for this model"),
     ({"q": {"type": "score", "criteria": [str(i) for i in range(11)]}}, "question 'q': at most 10 options for this model"),
-    ({"q": {"type": "score", "criteria": ["low", "low"]}}, "question 'q': duplicate option names"),
 ])
-def test_question_rules(client, questions, message):
-    """Spec 7.6 cases 1-9 (d1 column)."""
+def test_option_limits(client, questions, message):
+    """Spec 2.3 and 7.6 cases 6-7 (d1 column); the rules both families share are in test_api_contract.py."""
     assert_error(post(client, {"state": None, "questions": questions}), 400, message)
 
 
@@ -67,12 +62,6 @@ def test_unsupported_modalities(client, field, message):
     assert_error(post(client, {"state": None, "questions": {"q": NOUL}, field: ["data:x;base64,AAAA"]}), 400, message)
 
 
-def test_joint_is_refused(client):
-    """Spec 7.6 case 16."""
-    assert_error(post(client, {"state": None, "questions": {"q": NOUL}, "joint": True}), 400,
-                 "joint: this model reads each question on its own; joint reads need DiffusionGemma")
-
-
 @pytest.mark.parametrize("url,status,message", [
     ("data:image/png;base64AAAA", 400, "Invalid data URL"),
     ("ftp://x/y.png", 400, "The URL must be either a HTTP, data or file URL."),
@@ -84,16 +73,6 @@ def test_bad_images_are_4xx(client, url, status, message):
     response = post(client, {"state": None, "questions": {"q": NOUL}, "images": [url]})
     assert response.status_code == status, response.text
     assert message in response.json()["error"]["message"]
-
-
-def test_model_name_and_ids(client):
-    """Spec 7.6 cases 21, 23-25: 404 for an unknown model; id from X-Request-Id, then request_id."""
-    assert_error(post(client, {"model": "nope", "state": None, "questions": {"q": NOUL}}), 404,
-                 f"The model `nope` does not exist. Valid aliases: {SERVED}.", param="model")
-    response = post(client, {"state": None, "questions": {"q": NOUL}, "request_id": "r1"},
-                    headers={"X-Request-Id": "abc"})
-    assert response.json()["id"] == "decision-abc"
-    assert post(client, {"state": None, "questions": {"q": NOUL}, "request_id": "r1"}).json()["id"] == "decision-r1"
 
 
 def test_response_shape_usage_and_diagnostics(client, d1_service):
@@ -164,12 +143,6 @@ def test_prompt_length_limits(d1_artifact, d1_service):
     small = client_for(4)
     long_text = {"state": "y" * 200, "questions": {"q": NOUL}}
     assert_error(post(small, long_text), 400, "characters (more than", param="input_text")
-
-
-def test_models_lists_the_served_name(client):
-    models = client.get("/v1/models").json()
-    assert [m["name"] for m in models["models"]] == [SERVED]
-    assert models["data"][0]["id"] == SERVED
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from systemone.models.d3 import D3Family, DecisionConfig
@@ -96,19 +94,20 @@ def test_d3_read_takes_first_n_codes_divided_by_temperature():
     logits = [1.0, 2.0, 30.0, 40.0]  # codes C, D are beyond the question's options and must not count
     noul = one({"type": "noul"})
     read = family(0.5).read(noul, family(0.5).labels(noul, None), Readout(dict(enumerate(logits))))
-    p_no, p_yes = label_softmax([1.0 / 0.5, 2.0 / 0.5])
-    assert read.probs == (p_yes, p_no)
+    # softmax([1/0.5, 2/0.5]), worked out to 50 digits (decimal) outside the code under test
+    assert read.probs == pytest.approx((0.8807970779778824, 0.11920292202211756), rel=1e-14)
     assert read.label_mass == 1.0 and read.argmax_is_label is True
     three = one({"type": "choice", "criteria": {"x": None, "y": None, "z": None}})
     choice = family(0.5).read(three, family(0.5).labels(three, None), Readout(dict(enumerate(logits))))
-    assert choice.probs == tuple(label_softmax([2.0, 4.0, 60.0]))
+    assert choice.probs == pytest.approx((6.47023492564546e-26, 4.780892883885469e-25, 1.0), rel=1e-14)
 
 
 def test_label_softmax_is_vllms():
     """Spec 2.5: subtract the max, math.exp, divide by the left-to-right Python sum, float64."""
-    scores = [0.1, -3.0, 2.5]
-    exps = [math.exp(s - 2.5) for s in scores]
-    assert label_softmax(scores) == [e / sum(exps) for e in exps]
+    probs = label_softmax([0.1, -3.0, 2.5])
+    # the values worked out to 50 digits (decimal), and float64's sum of them
+    assert probs == pytest.approx([0.08286222304343932, 0.0037328770566640275, 0.9134048998998966], rel=1e-15)
+    assert label_softmax([1000.0, 1000.0]) == [0.5, 0.5]  # the max is subtracted first: no overflow
 
 
 # -- spec 5.1 with the values of vLLM's tests (spec 7.1) -------------------------------------------------------

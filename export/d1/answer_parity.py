@@ -14,7 +14,7 @@ from PIL import Image
 
 from ...models.family import Readout
 from ...models.questions import Read, first_argmax
-from ...runtime.d1.image_processor import cap_pixels, lfm2_image
+from ...runtime.d1.image_processor import Lfm2Image, cap_pixels, lfm2_image
 from ...runtime.engine import Prepared
 from ...runtime.media_decode import decode_image
 from ...runtime.media_fetch import fetch
@@ -75,10 +75,17 @@ def torch_pixels(service: DecisionService, body: dict[str, Any]) -> dict[str, np
     a pixel attention mask, spatial shapes), built from the runtime's own numpy preprocessing."""
 
     media = service.engine.media
-    crops = []
+    images = []
     for i, url in enumerate(body.get("images") or ()):
         rgb = decode_image(fetch(url, f"images[{i}]", "image", media.policy), f"images[{i}]")
-        crops += lfm2_image(np.asarray(cap_pixels(Image.fromarray(rgb))), media.config).crops
+        images.append(lfm2_image(np.asarray(cap_pixels(Image.fromarray(rgb))), media.config))
+    return model_pixels(images)
+
+
+def model_pixels(images: list[Lfm2Image]) -> dict[str, np.ndarray] | None:
+    """Preprocessed images as LFM2-VL's forward takes them: every crop padded to one patch count, with the pixel
+    attention mask and each crop's spatial shape."""
+    crops = [crop for image in images for crop in image.crops]
     if not crops:
         return None
     width = max(len(c.patches) for c in crops)

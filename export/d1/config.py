@@ -150,7 +150,9 @@ class D1ExportConfig(ExportConfig):
         device = self.model.device
         ids = torch.tensor([token_ids], device=device)
         if pixels is not None:
-            out = self.model(input_ids=ids, **{k: torch.as_tensor(v).to(device) for k, v in pixels.items()})
+            tensors = {k: torch.as_tensor(v).to(device) for k, v in pixels.items()}
+            tensors["pixel_values"] = tensors["pixel_values"].to(self.model.dtype)
+            out = self.model(input_ids=ids, **tensors)
         else:
             embeds = self.model.get_input_embeddings()(ids)
             if media_embeds is not None:

@@ -106,7 +106,8 @@ class D3ExportConfig(ExportConfig):
         says so, spec 4.3) and apply the readout at its last token (spec 4.13)."""
         device = self.model.device
         if self.attention_mode == "noncausal_full_attention":
-            inputs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length, device=device),
+            inputs["attention_mask"] = {"full_attention": torch.zeros(1, 1, length, length, device=device,
+                                                                      dtype=self.model.dtype),
                                         "linear_attention": None}
         position_ids = torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device)
         hidden = self.model(position_ids=position_ids, **inputs).last_hidden_state[0, -1].float()
@@ -127,7 +128,7 @@ class D3ExportConfig(ExportConfig):
         inputs: dict[str, Any] = {"input_ids": torch.tensor([token_ids], device=device)}
         for name, media in (("", images), ("_videos", videos)):
             if media is not None:
-                inputs[f"pixel_values{name}"] = torch.from_numpy(media[0]).to(device)
+                inputs[f"pixel_values{name}"] = torch.from_numpy(media[0]).to(device, self.model.dtype)
                 inputs["image_grid_thw" if not name else "video_grid_thw"] = torch.tensor(media[1], device=device)
         return self._read_last_token(len(token_ids), positions, **inputs)
 

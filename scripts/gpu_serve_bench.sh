@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the lent GPU machine, after `bash scripts/gpu_bench.sh export SIZE MODE` in the same warm lease: our server
+# and the reference server (transformers eager bf16, one question at a time) on the same GPU, then the seeds' mix
+# at 1, 8 and 64 closed-loop clients against each (`systemone bench --serve`).
+# The machine has no fastapi/uvicorn/pydantic: gather their wheels here first, once:
+#   ../shared/device/prepare.sh fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+#     uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 annotated-types==0.8.0 typing-inspection==0.4.5 click==8.5.1 \
+#     zstandard==0.25.0
+#   bash scripts/gpu_serve_bench.sh SIZE MODE [SECONDS]
+set -euo pipefail
+size="$1"; mode="$2"; seconds="${3:-30}"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+work=~/work/"$size-$mode"; out="${OUT:-/tmp/out}"; mkdir -p "$out"
+cd ~  # keep the repo's systemone/ folder off sys.path (see gpu_bench.sh)
+start=$(date +%s.%N)
+python3 -m systemone.cli serve "$work/artifact" --device cuda --port 8000 > "$out/serve.log" 2>&1 &
+python3 -m systemone.reference_server "$work/checkpoint" --artifact "$work/artifact" --device cuda --port 8001 \
+  > "$out/reference.log" 2>&1 &
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+for port in 8000 8001; do
+  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 0.5; done
+  [ "$port" = 8000 ] && echo "systemone serve -> first /health after $(echo "$(date +%s.%N) - $start" | bc) s"
+done
+python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone \
+  --reference http://127.0.0.1:8001/v1/systemone --family d3 --clients 1 8 64 --seconds "$seconds" \
+  --out "$out/serve_bench_${size}_${mode}.json"

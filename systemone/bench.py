@@ -1,0 +1,241 @@
+"""`systemone bench`: the runtime against the torch model it replaces, side by side in one process, on one
+checkpoint and its artifact.
+
+- Token batches: the same random token ids (batch x length) through the runtime's text graph and through
+  transformers eager (each dtype asked for), timed as medians; the runtime's numbers are checked against the fp32
+  reference on the same batches, so a fast wrong graph cannot pass for a fast one.
+- Whole requests through `DecisionService.decide` (a new prompt length each time): p50 and p99.
+- GPU memory (the device's used memory while serving; torch's peak allocation) and the artifact's size.
+
+It needs the export extra (torch, transformers): the reference is the export's own (`ExportConfig`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .models.registry import FAMILIES
+from .runtime.artifact import Artifact
+from .runtime.engine import EngineOptions
+from .runtime.service import DecisionService
+
+SNAKE_STATE = {"game": "snake", "board": {"width": 12, "height": 12}, "snake": [[5, 5], [5, 6], [5, 7], [6, 7]],
+               "direction": "up", "food": [[2, 3]], "score": 3, "turn": 41,
+               "walls": [[0, 0], [0, 11], [11, 0], [11, 11]], "last_moves": ["up", "up", "left", "up"]}
+SNAKE_QUESTIONS = {"move": {"type": "choice", "instructions": "Which move gets closer to the food safely?",
+                            "criteria": {"up": None, "down": None, "left": None, "right": None}}}
+
+
+def percentile_ms(times: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(times) * 1000.0, q))
+
+
+def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Wall times of `repeats` calls after one warm-up call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def gpu_used_mib() -> int | None:
+    """The device's used memory (nvidia-smi), or None without an NVIDIA GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(out.split()[0])
+
+
+def directory_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+@dataclass
+class Workload(ABC):
+    """A family's batches and requests: how to run a token batch through the runtime and through torch."""
+
+    service: DecisionService
+    reference: Any  # the family's ExportConfig (torch model on the reference device)
+    vocab: int
+
+    @abstractmethod
+    def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
+        """The runtime's numbers for a [B, L] batch of token ids (the graph run only)."""
+
+    @abstractmethod
+    def torch_batch(self, model: Any, ids: np.ndarray) -> np.ndarray:
+        """The same numbers from the torch model (`model`: the reference's, moved to a device and dtype)."""
+
+    @abstractmethod
+    def requests(self) -> dict[str, Callable[[int], dict[str, Any]]]:
+        """Whole-request kinds: name -> the i-th request body."""
+
+
+class D3Workload(Workload):
+    def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
+        return self.service.engine.runner.run([row.tolist() for row in ids])
+
+    def torch_batch(self, model: Any, ids: np.ndarray) -> np.ndarray:
+        import torch
+
+        ref = self.reference
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        batch, length = ids.shape
+        inputs: dict[str, Any] = {"input_ids": torch.from_numpy(ids).to(device),
+                                  "position_ids": torch.arange(length, device=device).view(1, 1, -1)
+                                  .expand(3, batch, length)}
+        if ref.attention_mode == "noncausal_full_attention":
+            inputs["attention_mask"] = {"full_attention": torch.zeros(batch, 1, length, length, dtype=dtype,
+                                                                      device=device), "linear_attention": None}
+        with torch.no_grad():
+            hidden = model(**inputs).last_hidden_state[:, -1].float()
+            logits = hidden @ ref.readout_weight.to(device).t()
+            if ref.readout_bias is not None:
+                logits = logits + ref.readout_bias.to(device)
+        return logits.cpu().numpy()
+
+    def requests(self) -> dict[str, Callable[[int], dict[str, Any]]]:
+        def one(i: int) -> dict[str, Any]:
+            # A new prompt length every time: the runtime must not depend on having seen a shape.
+            return {"state": {"ticket": "x " * (40 + i), "tier": "gold"},
+                    "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
+
+        def sixteen(i: int) -> dict[str, Any]:
+            questions = {f"q{k}": {"type": "choice", "instructions": f"Which team, case {k}?",
+                                   "criteria": {f"team {j}": None for j in range(2 + k % 5)}} for k in range(16)}
+            return {"state": {"ticket": "Charged twice for order 1234 " * (1 + i % 3)}, "questions": questions}
+
+        return {"one_question": one, "sixteen_questions": sixteen}
+
+
+class D1Workload(Workload):
+    def __init__(self, service: DecisionService, reference: Any, vocab: int):
+        super().__init__(service, reference, vocab)
+        from .export.d1.gates import label_ids
+
+        self.labels = label_ids(service.artifact.tokenizer.encode)
+
+    def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
+        logprobs, _ = self.service.engine.runner.whole_logprobs([row.tolist() for row in ids], self.labels)
+        return logprobs
+
+    def torch_batch(self, model: Any, ids: np.ndarray) -> np.ndarray:
+        import torch
+
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            logits = model(input_ids=torch.from_numpy(ids).to(device)).logits[:, -1].float()
+        return torch.log_softmax(logits, dim=-1)[:, self.labels].cpu().numpy()
+
+    def requests(self) -> dict[str, Callable[[int], dict[str, Any]]]:
+        from .export.d1.answer_parity import image_url, sixteen_questions
+
+        image = image_url(1024, 1024, seed=7)
+
+        def one(i: int) -> dict[str, Any]:
+            return {"state": {**SNAKE_STATE, "turn": 41 + i}, "questions": SNAKE_QUESTIONS}
+
+        def sixteen(i: int) -> dict[str, Any]:
+            body = sixteen_questions(with_image=False)
+            body["state"]["tier"] = f"gold-{i}"
+            return body
+
+        def sixteen_image(i: int) -> dict[str, Any]:
+            body = sixteen(i)
+            body["images"] = [image]
+            return body
+
+        return {"one_question": one, "sixteen_questions": sixteen, "sixteen_questions_1024px_image": sixteen_image}
+
+
+WORKLOADS = {"d3": D3Workload, "d1": D1Workload}
+
+
+def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches: tuple[int, ...] = (1, 8, 32, 64),
+              lengths: tuple[int, ...] = (200, 1000), repeats: int = 10, request_repeats: int = 30,
+              torch_dtypes: tuple[str, ...] = ("bfloat16", "float32"), max_tokens: int = 65536,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    import torch
+
+    entry = FAMILIES.recognise(checkpoint)
+    artifact = Artifact.load(artifact_dir)
+    if artifact.manifest.family != entry.name:
+        raise ValueError(f"{artifact_dir} is a {artifact.manifest.family} artifact; {checkpoint} is {entry.name}")
+    before = gpu_used_mib()
+    service = DecisionService(artifact, EngineOptions(device=device))
+    reference = entry.load_export_config()(checkpoint)
+    vocab = 150_000 if entry.name == "d3" else int(reference.text_config.vocab_size)
+    work = WORKLOADS[entry.name](service, reference, vocab)
+    torch_device = "cuda" if device == "cuda" else "cpu"
+    sync = torch.cuda.synchronize if torch_device == "cuda" else (lambda: None)
+    rng = np.random.default_rng(0)
+    report: dict[str, Any] = {"family": entry.name, "checkpoint": str(checkpoint), "device": device,
+                              "provider": service.provider, "artifact_bytes": directory_bytes(artifact_dir),
+                              "graph_dtype": artifact.manifest.graphs["text"].dtype, "batches": [], "requests": {}}
+    shapes = [(b, n) for n in lengths for b in batches if b * n <= max_tokens]
+    token_batches = {shape: rng.integers(0, vocab, shape) for shape in shapes}
+
+    runtime_out: dict[tuple[int, int], np.ndarray] = {}
+    for (b, n), ids in token_batches.items():
+        def run_runtime(ids: np.ndarray = ids, key: tuple[int, int] = (b, n)) -> None:
+            runtime_out[key] = work.runtime_batch(ids)
+
+        times = timed(run_runtime, repeats)
+        row = {"batch": b, "length": n, "runtime_ms": percentile_ms(times, 50),
+               "runtime_questions_per_s": b / float(np.median(times))}
+        report["batches"].append(row)
+        log(f"runtime   batch {b:3d} x {n:5d}: {row['runtime_ms']:9.2f} ms  {row['runtime_questions_per_s']:8.1f} q/s")
+    for name, make in work.requests().items():
+        times = timed(lambda i=iter(range(10**6)): service.decide(make(next(i))), request_repeats)
+        report["requests"][name] = {"p50_ms": percentile_ms(times, 50), "p99_ms": percentile_ms(times, 99),
+                                    "runs": len(times)}
+        log(f"request   {name}: p50 {report['requests'][name]['p50_ms']:.2f} ms, p99 "
+            f"{report['requests'][name]['p99_ms']:.2f} ms")
+    serving = gpu_used_mib()
+    report["gpu_memory_serving_mib"] = None if serving is None or before is None else serving - before
+
+    # float32 first: the bf16 copy is made in place, so the fp32 weights must be used before it.
+    base_model = reference.model
+    for dtype_name in sorted(torch_dtypes, key=lambda d: d != "float32"):
+        model = base_model.to(torch_device, getattr(torch, dtype_name))
+        if torch_device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for row in report["batches"]:
+            ids = token_batches[row["batch"], row["length"]]
+            out: dict[str, np.ndarray] = {}
+
+            def run() -> None:
+                out["logits"] = work.torch_batch(model, ids)
+
+            times = timed(run, max(1, repeats // 2), sync)
+            row[f"torch_{dtype_name}_ms"] = percentile_ms(times, 50)
+            row[f"runtime_over_torch_{dtype_name}"] = float(np.median(times)) / (row["runtime_ms"] / 1000.0)
+            if dtype_name == "float32":
+                row["max_abs_diff_vs_torch_float32"] = float(
+                    np.abs(runtime_out[row["batch"], row["length"]] - out["logits"]).max())
+            log(f"torch {dtype_name:8s} batch {row['batch']:3d} x {row['length']:5d}: "
+                f"{row[f'torch_{dtype_name}_ms']:9.2f} ms  (runtime {row[f'runtime_over_torch_{dtype_name}']:.2f}x)")
+        if torch_device == "cuda":
+            report[f"torch_{dtype_name}_peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return report
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2), encoding="utf-8")

@@ -1,0 +1,36 @@
+"""`systemone bench` measures the runtime and the torch model on the same token batches, and what it reports
+holds: the runtime's numbers agree with fp32 torch on those batches, and every row and request kind is timed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from systemone.bench import run_bench
+from systemone.cli import main as cli_main
+
+
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_bench_compares_the_same_batches(family, request):
+    checkpoint = request.getfixturevalue(f"{family}_checkpoint")
+    artifact = request.getfixturevalue(f"{family}_artifact")
+    report = run_bench(checkpoint, artifact, "cpu", batches=(1, 3), lengths=(17, 40), repeats=2, request_repeats=2,
+                       torch_dtypes=("float32",), log=lambda line: None)
+    assert report["family"] == family and report["provider"] == "CPUExecutionProvider"
+    assert [(r["batch"], r["length"]) for r in report["batches"]] == [(1, 17), (3, 17), (1, 40), (3, 40)]
+    for row in report["batches"]:
+        assert row["max_abs_diff_vs_torch_float32"] <= 2e-3, row
+        assert row["runtime_ms"] > 0 and row["torch_float32_ms"] > 0
+    assert set(report["requests"]) >= {"one_question", "sixteen_questions"}
+    for timing in report["requests"].values():
+        assert 0 < timing["p50_ms"] <= timing["p99_ms"]
+    assert report["artifact_bytes"] > 0 and report["gpu_memory_serving_mib"] is None  # no NVIDIA GPU here
+
+
+def test_bench_command_writes_its_report(d3_checkpoint, d3_artifact, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", str(d3_checkpoint), "--artifact", str(d3_artifact), "--batches", "2", "--lengths",
+                     "9", "--repeats", "1", "--request-repeats", "1", "--torch-dtypes", "float32",
+                     "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["batches"][0]["batch"] == 2

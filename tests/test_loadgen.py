@@ -1,0 +1,32 @@
+"""The load generator behind `systemone bench --serve`: its request mix is valid for each family (every request
+answered 200 by a live server), and what it reports counts what was answered."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from systemone.loadgen import RequestMix, closed_loop
+from tests.live_server import live_server
+
+
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_the_mix_is_answered_and_counted(family, request):
+    service = request.getfixturevalue(f"{family}_service")
+    mix = RequestMix(family)
+    kinds = [mix.body(i)[0] for i in range(len(mix.kinds))]
+    assert ("video" in kinds) == (family == "d3") and "image" in kinds and "choice40" in kinds
+    with live_server(service) as base:
+        result = asyncio.run(closed_loop(f"{base}/v1/systemone", RequestMix(family), clients=2, seconds=4.0))
+    summary = result.summary()
+    assert result.errors == {} and set(result.statuses) == {200}, summary
+    assert summary["answered"] == sum(result.statuses.values()) >= len(mix.kinds)
+    assert 1 <= result.questions / summary["answered"] <= 4
+    assert summary["p50_ms"] <= summary["p99_ms"]
+
+
+def test_media_bytes_are_new_in_every_request():
+    mix = RequestMix("d3")
+    images = [mix.body(i)[1]["images"][0] for i in range(3, 3 + 5 * len(mix.kinds), len(mix.kinds))]
+    assert len(set(images)) == len(images)
