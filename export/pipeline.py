@@ -21,7 +21,7 @@ from ..models.registry import FAMILIES, FamilyRegistry
 from ..runtime.artifact import GraphEntry, Manifest
 from .config import ExportConfig, GraphSpec, ParityError
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
-from .source import file_hashes, resolve_checkpoint
+from .source import checkpoint_name, file_hashes, resolve_checkpoint
 
 OPSET = 18
 
@@ -116,7 +116,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
             reports[gate.graph] = gate.check(staging, files)
         progress("writing the artifact")
         manifest = Manifest(
-            family=entry.name, source=source, checkpoint=str(checkpoint), source_files=file_hashes(checkpoint),
+            family=entry.name, source=checkpoint_name(source), checkpoint=str(checkpoint), source_files=file_hashes(checkpoint),
             max_model_len=config.max_model_len, opset=OPSET, model=files.model_fields,
             tokenizer_class=files.tokenizer_class, special_tokens=files.special_tokens,
             graphs={spec.name: GraphEntry(spec.file, shapes[spec.name], spec.outputs, "float32",

@@ -8,6 +8,13 @@ from pathlib import Path
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*", "*.model"]
 
 
+def checkpoint_name(source: str) -> str:
+    """The checkpoint's own name, which the manifest records and `serve` answers to by default: a hub id as given,
+    a local directory's name (its path says where it sat on the exporting machine, not what the model is)."""
+    path = Path(source).expanduser()
+    return path.resolve().name if path.is_dir() else source
+
+
 def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
     """A local checkpoint directory for `source`: the directory itself, or the hub snapshot of `source`.
 
@@ -26,7 +33,9 @@ def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
     try:
         return Path(snapshot_download(source, revision=revision, allow_patterns=CHECKPOINT_PATTERNS))
     except Exception as exc:  # the hub client raises many kinds; the message names the cause
-        raise ValueError(f"could not fetch checkpoint {source!r} from the hub or its cache: {exc}") from exc
+        # The hub client's messages run to several lines; the first names the cause.
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"could not fetch checkpoint {source!r} from the hub or its cache: {cause}") from exc
 
 
 def file_hashes(root: Path) -> dict[str, str]:

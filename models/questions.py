@@ -111,8 +111,11 @@ class Score(QuestionType):
     labels = tuple(str(d) for d in range(10))
 
     def parse_options(self, qid: str, criteria: Any) -> tuple[Option, ...]:
-        if not isinstance(criteria, list) or len(criteria) < 2:
+        if not isinstance(criteria, list):
             raise DecisionError(f"question {qid!r}: score criteria must be an ordered list of levels")
+        if len(criteria) < 2:
+            # vLLM repeats the message above to a client who did send a list; ours names what is wrong (400 kept).
+            raise DecisionError(f"question {qid!r}: score criteria need at least 2 levels (got {len(criteria)})")
         return tuple(Option(str(level), None) for level in criteria)
 
     def answer(self, question: Question, read: Read) -> dict[str, Any]:

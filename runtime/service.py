@@ -32,6 +32,11 @@ class MediaLimits:
     videos: int = 4
 
 
+# TypeSafe's SDK sends this name unless told otherwise, and jevcompat's MUST `request.model-alias` requires it to
+# reach the served model; responses still report the served name.
+DEFAULT_ALIASES = ("jev-latest",)
+
+
 def new_request_id() -> str:
     return f"{secrets.randbits(64):016x}"
 
@@ -40,7 +45,8 @@ class DecisionService:
     """Answers `/v1/systemone` bodies for one artifact on one device."""
 
     def __init__(self, artifact: Artifact, options: EngineOptions | None = None,
-                 served_model_names: list[str] | None = None, media_limits: MediaLimits | None = None):
+                 served_model_names: list[str] | None = None, media_limits: MediaLimits | None = None,
+                 aliases: tuple[str, ...] = DEFAULT_ALIASES):
         options = options or EngineOptions()
         if options.max_model_len and options.max_model_len > artifact.max_model_len:
             raise ValueError(f"max_model_len={options.max_model_len} is more than the model's "
@@ -48,6 +54,7 @@ class DecisionService:
         self.artifact = artifact
         self.family = artifact.family
         self.served_model_names = served_model_names or [artifact.source]
+        self.aliases = aliases
         self.engine: Engine = artifact.entry.load_engine()(artifact, options)
         self.media_limits = media_limits or MediaLimits()
 
@@ -69,7 +76,7 @@ class DecisionService:
             # Spec 1.1: a model whose read cannot work refuses every call.
             raise NotSupported("The model does not support the structured decision API")
         request = parse_request(body)
-        if request.model and request.model not in self.served_model_names:
+        if request.model and request.model not in self.served_model_names and request.model not in self.aliases:
             raise ModelNotFound(request.model, self.served_model_names)
         questions = parse_questions(request.questions, self.family.option_limit)
         unsupported = sorted(request.modalities() - self.family.modalities)

@@ -7,35 +7,16 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-PROVIDERS = {
-    "cuda": "CUDAExecutionProvider",
-    "rocm": "ROCMExecutionProvider",
-    "cpu": "CPUExecutionProvider",
-}
-DEVICES = ("auto", *PROVIDERS)
+from .devices import CPU, DEVICES, ProviderUnavailable, pick_providers
+
+__all__ = ["DEVICES", "GraphSession", "ProviderUnavailable", "resolve_providers"]
 # fp32 graphs stay fp32 on NVIDIA GPUs: no TF32 matmuls, whose 10-bit mantissa would move probabilities.
 PROVIDER_OPTIONS = {"CUDAExecutionProvider": {"use_tf32": "0"}}
 
 
-class ProviderUnavailable(RuntimeError):
-    pass
-
-
 def resolve_providers(device: str) -> list[str]:
-    """The providers for `device`. Asking for one this onnxruntime lacks is an error, never a silent fallback."""
-    available = ort.get_available_providers()
-    if device == "auto":
-        for name in ("cuda", "rocm"):
-            if PROVIDERS[name] in available:
-                return [PROVIDERS[name], PROVIDERS["cpu"]]
-        return [PROVIDERS["cpu"]]
-    if device not in PROVIDERS:
-        raise ProviderUnavailable(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
-    provider = PROVIDERS[device]
-    if provider not in available:
-        raise ProviderUnavailable(f"device {device!r} needs {provider}, which this onnxruntime does not have "
-                                  f"(available: {', '.join(available)})")
-    return [provider] if device == "cpu" else [provider, PROVIDERS["cpu"]]
+    """The providers for `device` in this onnxruntime (see devices.pick_providers)."""
+    return pick_providers(device, ort.get_available_providers())
 
 
 class GraphSession:
@@ -43,7 +24,7 @@ class GraphSession:
 
     def __init__(self, path: str | Path, device: str = "auto", threads: int | None = None):
         providers = resolve_providers(device)
-        if providers[0] != PROVIDERS["cpu"] and hasattr(ort, "preload_dlls"):
+        if providers[0] != CPU and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -27,6 +27,7 @@ from .auth import Unauthorized, check_bearer
 from .body import NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
+from .schema import ROUTE_DOCS, document_request_body
 
 log = logging.getLogger("systemone.server")
 
@@ -95,7 +96,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             "models": [{"name": name, "description": description, "release_date": release_date} for name in names],
         })
 
-    @app.post("/v1/systemone")
+    @app.post("/v1/systemone", **ROUTE_DOCS)
     async def systemone(request: Request) -> JSONResponse:
         start = time.monotonic()
         request_id = request.headers.get("x-request-id")
@@ -144,6 +145,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             lambda: asyncio.to_thread(service.answer, prepared, request_id, run_options),
             request.is_disconnected, stop)
 
+    document_request_body(app)
     app.state.admission = admission
     app.state.metrics = metrics
     return app

@@ -6,26 +6,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from .runtime.session import DEVICES
+from .runtime.devices import DEVICES, NO_ONNXRUNTIME
 
 API_KEY_ENV = "SYSTEMONE_API_KEY"
 
 
+class UserError(Exception):
+    """A mistake in how the command was called: one line on stderr, no traceback."""
+
+
 def _load_request(path: str) -> Any:
+    if path != "-" and not Path(path).is_file():
+        raise UserError(f"request file {path!r} does not exist")
     text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    return json.loads(text)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"request file {path!r} is not valid JSON: {exc}") from None
 
 
 def _service(args: argparse.Namespace):
     from .runtime.artifact import Artifact
     from .runtime.media_fetch import FetchPolicy
     from .runtime.engine import EngineOptions
-    from .runtime.service import DecisionService, MediaLimits
+    from .runtime.service import DEFAULT_ALIASES, DecisionService, MediaLimits
 
     policy = FetchPolicy(
         allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
@@ -33,7 +45,8 @@ def _service(args: argparse.Namespace):
         allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes)
     options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy)
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
-                           media_limits=MediaLimits(args.limit_images, args.limit_videos))
+                           media_limits=MediaLimits(args.limit_images, args.limit_videos),
+                           aliases=() if args.no_jev_latest_alias else DEFAULT_ALIASES)
 
 
 def _print_error(exc: Exception) -> int:
@@ -61,7 +74,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
-    import os
 
     import uvicorn
 
@@ -77,9 +89,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                             log_requests=args.log_requests)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(_service(args), options)
+    service = _service(args)
+    app = create_app(service, options)
+    _print_summary(service, args)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(args.request_timeout) + 5)
+    return 0
+
+
+def _print_summary(service: Any, args: argparse.Namespace) -> None:
+    """What `serve` is about to serve, before uvicorn's own lines."""
+    manifest = service.artifact.manifest
+    aliases = f" (also answers to {', '.join(service.aliases)})" if service.aliases else ""
+    precision = ", ".join(sorted({g.dtype for g in manifest.graphs.values()}))
+    for key, value in (("model", ", ".join(service.served_model_names) + aliases),
+                       ("artifact", f"{args.artifact} (family {manifest.family}, source {manifest.source})"),
+                       ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),
+                       ("max model len", str(service.max_model_len)),
+                       ("address", f"http://{args.host}:{args.port}/v1/systemone")):
+        print(f"systemone serve: {key:<13} {value}", flush=True)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import run_doctor
+
+    for line in run_doctor(args.artifact, args.device):
+        print(line)
     return 0
 
 
@@ -87,9 +122,10 @@ def _print_result(args: argparse.Namespace, produce: Callable[[Any, Any], Any]) 
     """Load the artifact and the request, print `produce(service, body)` as JSON (or the error body, exit 1)."""
     from .models.errors import DecisionError, SchemaError
 
+    body = _load_request(args.request)  # before the artifact's seconds of loading: a typo fails at once
     service = _service(args)
     try:
-        result = produce(service, _load_request(args.request))
+        result = produce(service, body)
     except (DecisionError, SchemaError) as exc:
         return _print_error(exc)
     print(json.dumps(result, ensure_ascii=False, indent=2))
@@ -101,12 +137,24 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    def render(service, body) -> dict[str, Any]:
-        return {"model": service.model_name, "questions": [
-            {"id": p.question.id, "tokens": len(p.token_ids), "text": p.text, "token_ids": p.token_ids}
-            for p in service.render(body)]}
+    from .models.errors import DecisionError, SchemaError
 
-    return _print_result(args, render)
+    body = _load_request(args.request)
+    service = _service(args)
+    try:
+        prompts = service.render(body)
+    except (DecisionError, SchemaError) as exc:
+        return _print_error(exc)
+    if args.format == "json":
+        print(json.dumps({"model": service.model_name, "questions": [
+            {"id": p.question.id, "tokens": len(p.token_ids), "text": p.text, "token_ids": p.token_ids}
+            for p in prompts]}, ensure_ascii=False))
+    for p in prompts if args.format != "json" else ():
+        if args.format == "ids":
+            print(f"{p.question.id}: {' '.join(map(str, p.token_ids))}")
+        else:
+            print(f"--- {p.question.id} ({len(p.token_ids)} tokens)\n{p.text}")
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -133,11 +181,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _runtime_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="an exported artifact directory")
     parser.add_argument("--device", default="auto", choices=DEVICES,
-                        help="execution provider; one that is absent is an error (default: auto)")
+                        help="execution provider; one that is absent is an error")
     parser.add_argument("--served-model-name", action="append", default=[],
-                        help="name(s) the model answers to; the first is reported (default: the export source)")
+                        help="name(s) the model answers to; the first is reported (default: the checkpoint's own "
+                             "name from the manifest: the hub id, or the checkpoint directory's name)")
+    parser.add_argument("--no-jev-latest-alias", action="store_true",
+                        help="refuse the model name `jev-latest` (by default it reaches the served model, as "
+                             "TypeSafe's SDK sends it unless told otherwise)")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt in tokens (default: the model's positions); nothing is truncated")
+                        help="longest prompt in tokens (None: the model's positions); nothing is truncated")
     media = parser.add_argument_group("media fetching (safe by default)")
     media.add_argument("--allowed-local-media-path", default=None, help="directory file:// URLs may read from")
     media.add_argument("--allowed-media-domains", action="append", default=[],
@@ -149,23 +201,48 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--limit-videos", type=int, default=4, help="most videos per request")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, except on/off switches and help that already states its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or isinstance(action.default, bool):
+            return text
+        return super()._get_help_string(action) or text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("systemone-onnx")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="systemone", description=__doc__)
+    formatter = _HelpFormatter
+    parser = argparse.ArgumentParser(prog="systemone", description=__doc__, formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="show tracebacks and third-party warnings instead of one-line errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    export = sub.add_parser("export", help="checkpoint (directory or hub id) -> ONNX artifact")
-    export.add_argument("source")
-    export.add_argument("--out", required=True)
-    export.add_argument("--revision", default=None, help="hub revision")
+    export = sub.add_parser("export", help="checkpoint (directory or hub id) -> ONNX artifact", parents=[common],
+                            formatter_class=formatter)
+    export.add_argument("source", help="a local checkpoint directory or a hub id (owner/name)")
+    export.add_argument("--out", required=True, help="the artifact directory to write")
+    export.add_argument("--revision", default=None, help="hub revision (None: the default branch)")
     export.add_argument("--atol", type=float, default=2e-3, help="max |code logit diff| vs torch")
     export.add_argument("--prob-atol", type=float, default=1e-4, help="max |probability diff| vs torch")
-    export.add_argument("--overwrite", action="store_true")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     export.set_defaults(func=cmd_export)
 
-    serve = sub.add_parser("serve", help="serve POST /v1/systemone")
+    serve = sub.add_parser("serve", help="serve POST /v1/systemone", parents=[common], formatter_class=formatter)
     _runtime_options(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind")
     serve.add_argument("--api-key", default=None,
                        help=f"require Authorization: Bearer KEY (or set {API_KEY_ENV}); without one the header is "
                             "ignored")
@@ -177,11 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
                        help="largest request body, compressed or decompressed (413 over it)")
     serve.add_argument("--log-requests", action="store_true", help="log request bodies (they hold the state)")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                       help="server log level")
     serve.set_defaults(func=cmd_serve)
 
+    doctor = sub.add_parser("doctor", help="what this machine can run: onnxruntime, providers, GPU, CUDA "
+                            "libraries; with an artifact, what serve would use", parents=[common],
+                            formatter_class=formatter)
+    doctor.add_argument("artifact", nargs="?", default=None, help="an exported artifact directory (optional)")
+    doctor.add_argument("--device", default="auto", choices=DEVICES, help="the device serve would be asked for")
+    doctor.set_defaults(func=cmd_doctor)
+
     bench = sub.add_parser("bench", help="the runtime against transformers eager on one checkpoint and its artifact, "
-                           "side by side (needs the export extra)")
+                           "side by side (needs the export extra)", parents=[common],
+                           formatter_class=formatter)
     bench.add_argument("checkpoint", nargs="?", help="the checkpoint directory the artifact was exported from")
     bench.add_argument("--artifact", help="the exported artifact directory")
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides run")
@@ -203,16 +289,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),
                              ("render", cmd_render, "print each question's prompt text and token ids")):
-        cmd = sub.add_parser(name, help=text)
+        cmd = sub.add_parser(name, help=text, parents=[common], formatter_class=formatter)
         _runtime_options(cmd)
         cmd.add_argument("--request", required=True, help="request JSON file, or - for stdin")
         cmd.set_defaults(func=func)
+    render = cmd  # the last of the two
+    render.add_argument("--format", choices=("text", "ids", "json"), default="text",
+                        help="text: each question's prompt; ids: its token ids on one line; json: both, one line")
     return parser
+
+
+@contextmanager
+def _quiet_third_party() -> Iterator[None]:
+    """torch, torchvision and transformers warn about their own internals during export; a user cannot act on
+    them. Restored on the way out, so a caller in the same process (a test) keeps its own settings."""
+    # TORCH_LOGS "-onnx": torch.onnx logs errors only (not "torchvision is not installed" four times per graph).
+    quiet = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TORCH_LOGS": "-onnx",
+             "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    saved = {key: os.environ.get(key) for key in quiet}
+    os.environ.update({key: os.environ.get(key) or value for key, value in quiet.items()})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    if args.debug:
+        return args.func(args)
+    try:
+        with _quiet_third_party():
+            return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # every failure a user can cause ends here: one line, the cause named
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "onnxruntime":
+            message = NO_ONNXRUNTIME
+        print(f"systemone {args.command}: error: {message} (--debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

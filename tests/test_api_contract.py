@@ -10,6 +10,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from systemone.runtime.artifact import Artifact
+from systemone.runtime.engine import EngineOptions
+from systemone.runtime.service import DecisionService
 from systemone.server.app import create_app
 from tests.http_helpers import assert_error, post
 
@@ -47,7 +50,8 @@ def served(family) -> str:
                                                          "and false"),
     ({"q": {"type": "noul", "criteria": {"ture": "x"}}}, "question 'q': noul criteria must be an object with true "
                                                          "and false"),
-    ({"q": {"type": "score", "criteria": ["calm"]}}, "question 'q': score criteria must be an ordered list of levels"),
+    ({"q": {"type": "score", "criteria": ["calm"]}}, "question 'q': score criteria need at least 2 levels (got 1)"),
+    ({"q": {"type": "score", "criteria": []}}, "question 'q': score criteria need at least 2 levels (got 0)"),
     ({"q": {"type": "score", "criteria": {"0": "a", "1": "b"}}},
      "question 'q': score criteria must be an ordered list of levels"),
     ({"q": {"type": "score", "criteria": ["low", "low"]}}, "question 'q': duplicate option names"),
@@ -151,6 +155,21 @@ def test_empty_or_served_model_name_passes(client, served, model):
     assert post(client, {"model": model, "state": None, "questions": {"q": NOUL}}).status_code == 200
 
 
+def test_jev_latest_reaches_the_served_model_and_the_response_names_it(client, served):
+    """TypeSafe's SDK sends `jev-latest` unless told otherwise (jevcompat MUST request.model-alias)."""
+    response = post(client, {"model": "jev-latest", "state": None, "questions": {"q": NOUL}})
+    assert response.status_code == 200 and response.json()["model"] == served
+
+
+def test_the_jev_latest_alias_can_be_turned_off(family, request):
+    """Off, it is a name like any other; the default served name is the checkpoint directory's name."""
+    artifact = request.getfixturevalue(f"{family}_artifact")
+    service = DecisionService(Artifact.load(artifact), EngineOptions(device="cpu"), aliases=())
+    assert_error(post(TestClient(create_app(service)), {"model": "jev-latest", "state": None,
+                                                        "questions": {"q": NOUL}}), 404,
+                 f"The model `jev-latest` does not exist. Valid aliases: {family}-tiny.", param="model")
+
+
 def test_model_check_comes_before_question_checks(client):
     assert post(client, {"model": "nope", "state": None, "questions": {}}).status_code == 404
 
@@ -158,7 +177,7 @@ def test_model_check_comes_before_question_checks(client):
 def test_question_id_repr_uses_python_quoting(client):
     """Spec 2.6: repr(qid) switches to double quotes when the id holds a single quote."""
     response = post(client, {"state": None, "questions": {"it's": {"type": "score", "criteria": ["a"]}}})
-    assert_error(response, 400, "question \"it's\": score criteria must be an ordered list of levels")
+    assert_error(response, 400, "question \"it's\": score criteria need at least 2 levels (got 1)")
 
 
 def test_first_failing_question_wins(client):

@@ -12,7 +12,7 @@ import pytest
 
 from systemone.export.parity import check_parity
 from systemone.export.pipeline import ParityError, export_checkpoint, symbolic_axes
-from systemone.export.source import resolve_checkpoint
+from systemone.export.source import checkpoint_name, resolve_checkpoint
 from systemone.runtime.session import GraphSession
 
 
@@ -110,6 +110,22 @@ def test_hub_id_resolves_through_the_hub_cache(d3_checkpoint, tmp_path, monkeypa
     assert resolved == snapshot and (resolved / "decision_config.json").is_file()
     with pytest.raises(ValueError, match="could not fetch checkpoint 'vllm-sr/d3-missing'"):
         resolve_checkpoint("vllm-sr/d3-missing")
+
+
+def test_the_manifest_names_a_local_checkpoint_by_its_directory(d3_artifact, d3_checkpoint):
+    """The served name defaults to the manifest's `source`: the directory's name, not the exporting machine's path."""
+    assert json.loads((d3_artifact / "manifest.json").read_text())["source"] == d3_checkpoint.name == "d3-tiny"
+
+
+@pytest.mark.parametrize("source, name", [("vllm-sr/d3-edge", "vllm-sr/d3-edge"), ("LiquidAI/d1-3B", "LiquidAI/d1-3B")])
+def test_a_hub_id_is_its_own_name(source, name):
+    assert checkpoint_name(source) == name
+
+
+def test_a_local_directory_is_named_by_its_last_part(tmp_path):
+    (tmp_path / "ckpts" / "d3-edge").mkdir(parents=True)
+    assert checkpoint_name(str(tmp_path / "ckpts" / "d3-edge")) == "d3-edge"
+    assert checkpoint_name(str(tmp_path / "ckpts" / "d3-edge" / ".")) == "d3-edge"
 
 
 @pytest.mark.parametrize("source", ["not a hub id", "/no/such/dir", "a/b/c"])

@@ -12,32 +12,48 @@ import pytest
 
 from systemone.runtime.batch import BatchBudget
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, code_logit_feeds, text_positions
-from systemone.runtime.session import PROVIDERS, ProviderUnavailable, resolve_providers
+from systemone.runtime.devices import ProviderUnavailable, pick_providers
+from systemone.runtime.session import resolve_providers
 
 
 def test_cpu_is_always_available():
     assert resolve_providers("cpu") == ["CPUExecutionProvider"]
 
 
-@pytest.mark.parametrize("device", ["cuda", "rocm"])
-def test_an_absent_provider_is_an_error(device, monkeypatch):
-    # An onnxruntime without the device's provider, on any machine (a GPU machine has CUDAExecutionProvider).
-    available = [p for p in ort.get_available_providers() if p != PROVIDERS[device]]
-    monkeypatch.setattr(ort, "get_available_providers", lambda: available)
-    with pytest.raises(ProviderUnavailable, match=f"device '{device}' needs {PROVIDERS[device]}"):
-        resolve_providers(device)
+@pytest.mark.parametrize("device, needs, extra", [
+    ("cuda", "CUDAExecutionProvider", "gpu"),
+    ("rocm", "ROCMExecutionProvider or MIGraphXExecutionProvider", "rocm")])
+def test_an_absent_provider_is_an_error(device, needs, extra):
+    with pytest.raises(ProviderUnavailable, match=rf"device '{device}' needs {needs}, .*"
+                                                  rf"install systemone-onnx\[{extra}\]"):
+        pick_providers(device, ["CPUExecutionProvider"])
 
 
-def test_auto_picks_an_accelerator_first(monkeypatch):
-    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    assert resolve_providers("auto") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+def test_this_onnxruntime_is_asked(monkeypatch):
+    # The same rule on the installed onnxruntime's own list (a GPU machine has CUDAExecutionProvider).
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
-    assert resolve_providers("auto") == ["CPUExecutionProvider"]
+    with pytest.raises(ProviderUnavailable, match="device 'cuda' needs CUDAExecutionProvider"):
+        resolve_providers("cuda")
+
+
+@pytest.mark.parametrize("available, picked", [
+    (["ROCMExecutionProvider", "CPUExecutionProvider"], "ROCMExecutionProvider"),  # onnxruntime-rocm <= 1.22
+    (["MIGraphXExecutionProvider", "CPUExecutionProvider"], "MIGraphXExecutionProvider"),  # onnxruntime-migraphx
+    (["MIGraphXExecutionProvider", "ROCMExecutionProvider", "CPUExecutionProvider"], "ROCMExecutionProvider")])
+def test_rocm_takes_whichever_amd_provider_is_installed(available, picked):
+    assert pick_providers("rocm", available) == [picked, "CPUExecutionProvider"]
+    assert pick_providers("auto", available) == [picked, "CPUExecutionProvider"]
+
+
+def test_auto_picks_an_accelerator_first():
+    assert pick_providers("auto", ["CUDAExecutionProvider", "CPUExecutionProvider"]) == \
+        ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert pick_providers("auto", ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
 
 
 def test_unknown_device_is_named():
     with pytest.raises(ProviderUnavailable, match="device must be one of auto, cuda, rocm, cpu; got 'tpu'"):
-        resolve_providers("tpu")
+        pick_providers("tpu", ["CPUExecutionProvider"])
 
 
 def test_pad_batch_right_pads_with_mask_and_positions():
@@ -111,7 +127,7 @@ def test_render_shows_the_prompt_text_and_token_ids(d3_artifact, d3_service, tmp
     body = {"state": {"a": 1}, "questions": {"q1": {"type": "noul"}, "q2": {"type": "score", "criteria": ["a", "b"]}}}
     request = tmp_path / "req.json"
     request.write_text(json.dumps(body))
-    assert main(["render", str(d3_artifact), "--request", str(request), "--device", "cpu"]) == 0
+    assert main(["render", str(d3_artifact), "--request", str(request), "--device", "cpu", "--format", "json"]) == 0
     shown = json.loads(capsys.readouterr().out)["questions"]
     expected = d3_service.render(body)
     assert [q["id"] for q in shown] == ["q1", "q2"]
