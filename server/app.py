@@ -1,8 +1,10 @@
 """The HTTP surface: `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /metrics` (spec 1, 5, 6; README).
 
-A request flows: auth -> body (size cap, zstd/gzip, JSON) -> admission (bounded running + queue, time limit,
-disconnect) -> `DecisionService.decide` in a worker thread -> JSON. Anything a client sends ends in a JSON 2xx/4xx;
-5xx means our bug (500) or a full server (503 + Retry-After).
+A request flows: auth -> body (size cap, zstd/gzip, JSON) and checks in the parsing pool -> media in the media
+pool (runtime/media_pool.py) -> prompts in the parsing pool -> admission (bounded running + queue) -> the graphs in
+a worker thread -> JSON. One deadline (--request-timeout) covers every step after the body is read; the request's
+client is watched throughout. Anything a client sends ends in a JSON 2xx/4xx; 5xx means our bug (500) or a full
+or late server (503 + Retry-After).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +21,13 @@ import onnxruntime as ort
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..models.errors import DecisionError, SchemaError
+from ..runtime.deadline import Deadline
 from ..runtime.engine import Prepared
 from ..runtime.service import DecisionService
-from .admission import Admission, ClientGone
+from .admission import Admission, ClientGone, watch
 from .auth import Unauthorized, check_bearer
 from .body import NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
@@ -43,6 +48,7 @@ class ServerOptions:
     request_timeout_s: float = 60.0
     max_body_bytes: int = 64 << 20
     log_requests: bool = False
+    parse_workers: int = 4  # threads that decode bodies, check requests and tokenize (never wait on media)
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -53,7 +59,8 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     """The app for one loaded model."""
     options = options or ServerOptions()
     app = FastAPI(title="systemone-onnx", version="0.1.0")
-    admission = Admission(options.max_concurrency, options.max_queue, options.request_timeout_s)
+    admission = Admission(options.max_concurrency, options.max_queue)
+    parsing = ThreadPoolExecutor(options.parse_workers, thread_name_prefix="systemone-parse")
     metrics = Metrics()
     started = int(time.time())
     release_date = service.artifact.manifest.exported_at[:10]
@@ -74,9 +81,19 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """503 while a new request could not be taken: every slot and queue place held, or every media worker
+        busy with more media waiting."""
+        pool = service.media_pool
+        media_full = pool.running >= pool.workers and pool.queued > 0
+        body = {"status": "busy" if admission.full or media_full else "ready", "running": admission.running,
+                "queued": admission.queued, "media_running": pool.running, "media_queued": pool.queued}
+        return JSONResponse(body, status_code=503 if admission.full or media_full else 200)
+
     @app.get("/metrics")
     async def metrics_endpoint() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(admission.running, admission.queued),
+        return PlainTextResponse(metrics.render(admission.running, admission.queued, service.media_pool.running),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -110,9 +127,12 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             response = schema_error_response(exc)
         except DecisionError as exc:
             response = decision_error_response(exc)
-        except ClientGone:
+        except (ClientGone, ClientDisconnect) as exc:
+            # Not our error: the client left (mid-upload, or while waiting); counted, logged in one line.
             response = error_response(400, "Client disconnected", "BadRequestError")
             response.status_code = CLIENT_GONE_STATUS
+            if isinstance(exc, ClientDisconnect):
+                metrics.client_aborted_upload()
         if request_id:
             response.headers["X-Request-Id"] = request_id
         seconds = time.monotonic() - start
@@ -126,23 +146,36 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
         if not _is_json(request.headers.get("content-type")):
             raise NotJson(UNSUPPORTED_MEDIA_MESSAGE)
         raw = await read_capped(request.stream(), request.headers.get("content-length"), options.max_body_bytes)
+        deadline = Deadline(options.request_timeout_s)
+        loop = asyncio.get_running_loop()
 
-        def read_and_prepare(raw: bytes) -> Prepared:
+        def parse(raw: bytes):
             body = parse_json(decode_content(raw, request.headers.get("content-encoding"), options.max_body_bytes))
             if options.log_requests:
                 log.info("request %s body %s", request_id or "-", json.dumps(body, ensure_ascii=False)[:10000])
-            return service.prepare(body)
+            return service.validate(body)
 
-        # Every check runs here (media read, prompts and labels included), before the request takes a slot.
-        prepared = await asyncio.to_thread(read_and_prepare, raw)
-        run_options = ort.RunOptions()
+        async def prepare() -> Prepared:
+            # Every check runs here (media read, prompts and labels included), before the request takes a slot.
+            # Parsing threads never wait on media: the media pool's jobs are awaited on the event loop.
+            checked, questions = await loop.run_in_executor(parsing, parse, raw)
+            media = (await service.media_pool.load_async(service.engine.media, checked, deadline)
+                     if service.has_media(checked) else None)
+            deadline.check()
+            return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media)
 
-        def stop() -> None:
-            run_options.terminate = True
+        try:
+            prepared = await watch(prepare(), deadline, request.is_disconnected)
+            run_options = ort.RunOptions()
 
-        return await admission.run(
-            lambda: asyncio.to_thread(service.answer, prepared, request_id, run_options),
-            request.is_disconnected, stop)
+            def stop() -> None:
+                run_options.terminate = True
+
+            return await admission.run(
+                lambda: asyncio.to_thread(service.answer, prepared, request_id, run_options),
+                deadline, request.is_disconnected, stop)
+        finally:
+            deadline.cancel()  # whatever still runs for this request stops
 
     app.state.admission = admission
     app.state.metrics = metrics

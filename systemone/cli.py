@@ -30,10 +30,12 @@ def _service(args: argparse.Namespace):
     policy = FetchPolicy(
         allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
         allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
-        allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes)
+        allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes,
+        image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout)
     options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy)
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
-                           media_limits=MediaLimits(args.limit_images, args.limit_videos))
+                           media_limits=MediaLimits(args.limit_images, args.limit_videos),
+                           media_workers=args.media_workers)
 
 
 def _print_error(exc: Exception) -> int:
@@ -126,6 +128,11 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--max-media-bytes", type=int, default=256 << 20, help="largest media download (413 over)")
     media.add_argument("--limit-images", type=int, default=16, help="most images per request")
     media.add_argument("--limit-videos", type=int, default=4, help="most videos per request")
+    media.add_argument("--image-fetch-timeout", type=float, default=5.0,
+                       help="seconds a whole image fetch may take (connect, headers, body; 422 after)")
+    media.add_argument("--video-fetch-timeout", type=float, default=30.0, help="the same for a video")
+    media.add_argument("--media-workers", type=int, default=8,
+                       help="threads that fetch, decode and preprocess media, shared by all requests")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -113,9 +113,10 @@ class D1Engine(Engine):
                 f"longer than the maximum model length of {m}. Make sure that `max_model_len` is no smaller than "
                 "the number of text tokens (prompt + requested output tokens).")
 
-    def prepare(self, request: DecisionRequest, questions: list[Question]) -> Prepared:
-        """Images read, then every prompt rendered, tokenized and checked, then every question's labels."""
-        images = self.media.load(request) if request.images else None
+    def prepare(self, request: DecisionRequest, questions: list[Question],
+                images: LoadedMedia[Lfm2Image] | None = None) -> Prepared:
+        """On the images read (media pool), every prompt rendered, tokenized and checked, then every question's
+        labels."""
         placeholders = ([self.tokenizer.encode(placeholder_text(image)) for image in images.in_order()]
                         if images is not None else [])
         texts = render_texts(self.artifact.template, self.family, request, questions)

@@ -47,8 +47,8 @@ class D3Engine(Engine):
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads)
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
 
-    def prepare(self, request: DecisionRequest, questions: list[Question]) -> Prepared:
-        media = self.media.load(request) if request.modalities() else None
+    def prepare(self, request: DecisionRequest, questions: list[Question],
+                media: LoadedMedia[Preprocessed] | None = None) -> Prepared:
         texts = render_texts(self.artifact.template, self.family, request, questions)
         tokenizer = self.artifact.tokenizer
         if media is None:

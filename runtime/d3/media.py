@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ...models.request import DecisionRequest
+from ..deadline import Deadline
 from ..image_transform import qwen_image
 from ..media_decode import decode_image
 from ..media_encoder import MediaEncoder
@@ -52,12 +53,12 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
                                             for i, url in enumerate(request.images or ())]
         return jobs + [(("video", url), f"videos[{i}]") for i, url in enumerate(request.videos or ())]
 
-    def load_one(self, key: Hashable, where: str) -> Preprocessed:
+    def load_one(self, key: Hashable, where: str, deadline: Deadline) -> Preprocessed:
         kind, url = key  # type: ignore[misc]
-        return self._image(url, where) if kind == "image" else self._video(url, where)
+        return self._image(url, where, deadline) if kind == "image" else self._video(url, where, deadline)
 
-    def _image(self, url: str, where: str) -> Preprocessed:
-        rgb = decode_image(fetch(url, where, "image", self.policy), where)
+    def _image(self, url: str, where: str, deadline: Deadline) -> Preprocessed:
+        rgb = decode_image(fetch(url, where, "image", self.policy, deadline), where)
         try:
             pixels, grid = qwen_image(rgb, self.patch, self.merge, self.temporal, self.mean, self.std,
                                       IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)
@@ -65,8 +66,9 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
             raise MediaError(where, f"Failed to apply Qwen2VLImageProcessor: {exc}") from None
         return Preprocessed("image", pixels, grid, ())
 
-    def _video(self, url: str, where: str) -> Preprocessed:
-        data = b"" if url[:16].lower().startswith("data:video/jpeg") else fetch(url, where, "video", self.policy)
+    def _video(self, url: str, where: str, deadline: Deadline) -> Preprocessed:
+        data = (b"" if url[:16].lower().startswith("data:video/jpeg")
+                else fetch(url, where, "video", self.policy, deadline))
         video = decode_video(data, where, url)
         try:
             pixels, grid = qwen_video(video.frames, self.patch, self.merge, self.temporal, self.mean, self.std)
