@@ -223,7 +223,10 @@ def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline) ->
             connection.request("GET", target, headers={"User-Agent": USER_AGENT, "Accept": "*/*"})
             response = connection.getresponse()
             if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
-                url = urljoin(url, response.getheader("Location"))
+                try:
+                    url = urljoin(url, response.getheader("Location"))
+                except ValueError as exc:
+                    raise MediaError(where, f"redirected to an invalid URL: {exc}") from None
                 if _split(url, where).scheme not in ("http", "https"):
                     raise MediaError(where, "redirected to a URL that is not http(s)")
                 continue
