@@ -17,6 +17,7 @@ import numpy as np
 
 from ..models.request import DecisionRequest
 from .deadline import Deadline
+from .media_allowance import MediaAllowance
 from .media_fetch import FetchPolicy
 from .session import GraphSession
 
@@ -44,9 +45,9 @@ class MediaEncoder(ABC, Generic[Item]):
         """(key, where) of every media input in prompt order; `where` names it in errors ("images[0]")."""
 
     @abstractmethod
-    def load_one(self, key: Hashable, where: str, deadline: Deadline) -> Item:
-        """Fetch, decode and preprocess one input within the request's `deadline`; a `DecisionError` naming
-        `where` when it cannot be read (runtime/media_pool.py runs it)."""
+    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance) -> Item:
+        """Fetch, decode and preprocess one input within the request's `deadline` and media budget
+        (`allowance`); a `DecisionError` naming `where` when it cannot be read (runtime/media_pool.py runs it)."""
 
     @abstractmethod
     def rows(self, item: Item, run_options: Any) -> np.ndarray:

@@ -186,7 +186,7 @@ def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy) -> st
     return addresses[0]
 
 
-def _read_body(response: http.client.HTTPResponse, limit: int, where: str) -> bytes:
+def _read_body(response: http.client.HTTPResponse, limit: int, where: str, allowance=None) -> bytes:
     """The body in chunks as they come (read1), so a fetch cut off by its deadline returns at once."""
     length = response.getheader("Content-Length")
     if length and length.isdigit() and int(length) > limit:
@@ -196,11 +196,13 @@ def _read_body(response: http.client.HTTPResponse, limit: int, where: str) -> by
         size += len(chunk)
         if size > limit:
             raise _too_large(where, limit)
+        if allowance is not None:
+            allowance.take_bytes(len(chunk), where)
         parts.append(chunk)
     return b"".join(parts)
 
 
-def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline) -> bytes:
+def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline, allowance=None) -> bytes:
     for _ in range(MAX_REDIRECTS + 1):
         parts = _split(url, where)
         host = parts.hostname
@@ -232,7 +234,7 @@ def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline) ->
                 continue
             if response.status >= 400:
                 raise MediaUnreadable(where, f"Failed to fetch media from URL: HTTP {response.status} error")
-            data = _read_body(response, policy.max_bytes, where)
+            data = _read_body(response, policy.max_bytes, where, allowance)
             fetch_deadline.check()  # a body cut short by the deadline is not an answer
             return data
         except (OSError, http.client.HTTPException) as exc:
@@ -244,7 +246,8 @@ def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline) ->
     raise MediaUnreadable(where, f"Failed to fetch media from URL: more than {MAX_REDIRECTS} redirects")
 
 
-def _http(url: str, where: str, total_s: float, flag: str, policy: FetchPolicy, deadline: Deadline) -> bytes:
+def _http(url: str, where: str, total_s: float, flag: str, policy: FetchPolicy, deadline: Deadline,
+          allowance=None) -> bytes:
     """GET within `total_s` (connect, redirects, headers, body), or less if the request's deadline is nearer."""
     deadline.check()
     fetch_deadline = Deadline(min(total_s, deadline.remaining()))
@@ -253,7 +256,7 @@ def _http(url: str, where: str, total_s: float, flag: str, policy: FetchPolicy, 
     timer.daemon = True
     timer.start()
     try:
-        return _get(url, where, policy, fetch_deadline)
+        return _get(url, where, policy, fetch_deadline, allowance)
     except TimedOut:
         deadline.check()  # the request's own deadline: 503
         raise MediaUnreadable(where, f"Failed to fetch media from URL: not done within {total_s:g} s ({flag})"
@@ -263,16 +266,18 @@ def _http(url: str, where: str, total_s: float, flag: str, policy: FetchPolicy, 
         unlink()
 
 
-def fetch(url: str, where: str, kind: str, policy: FetchPolicy, deadline: Deadline | None = None) -> bytes:
+def fetch(url: str, where: str, kind: str, policy: FetchPolicy, deadline: Deadline | None = None,
+          allowance=None) -> bytes:
     """The bytes behind one media URL of the request (`where` names it, e.g. "images[0]"), within the request's
-    `deadline` (none: only the fetch's own)."""
+    `deadline` (none: only the fetch's own) and its download budget (`allowance`, a MediaAllowance)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
-        return _data_url(url, where, policy.max_bytes)
-    if scheme == "file":
-        return _local_file(url, where, policy)
+    if scheme in ("data", "file"):
+        data = _data_url(url, where, policy.max_bytes) if scheme == "data" else _local_file(url, where, policy)
+        if allowance is not None:
+            allowance.take_bytes(len(data), where)
+        return data
     if scheme in ("http", "https"):
-        if kind == "video":
-            return _http(url, where, policy.video_timeout_s, "--video-fetch-timeout", policy, deadline or Deadline())
-        return _http(url, where, policy.image_timeout_s, "--image-fetch-timeout", policy, deadline or Deadline())
+        total, flag = ((policy.video_timeout_s, "--video-fetch-timeout") if kind == "video"
+                       else (policy.image_timeout_s, "--image-fetch-timeout"))
+        return _http(url, where, total, flag, policy, deadline or Deadline(), allowance)
     raise MediaError(where, "The URL must be either a HTTP, data or file URL.")

@@ -19,6 +19,7 @@ from typing import Any
 from ..models.errors import TimedOut
 from ..models.request import DecisionRequest
 from .deadline import Deadline
+from .media_allowance import MediaAllowance, MediaBudget
 from .media_encoder import LoadedMedia, MediaEncoder
 
 
@@ -28,22 +29,24 @@ def _timeout(deadline: Deadline) -> float | None:
 
 
 class MediaPool:
-    def __init__(self, workers: int = 8):
+    def __init__(self, workers: int = 8, budget: MediaBudget | None = None):
         if workers < 1:
             raise ValueError("the media pool needs at least one worker")
         self.workers = workers
+        self.budget = budget or MediaBudget()
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="systemone-media")
         self._lock = threading.Lock()
         self.running = 0  # jobs loading now (shown in /metrics; 0 once every abandoned request's jobs stopped)
         self.queued = 0
 
-    def _job(self, encoder: MediaEncoder[Any], key: Hashable, where: str, deadline: Deadline) -> Any:
+    def _job(self, encoder: MediaEncoder[Any], key: Hashable, where: str, deadline: Deadline,
+             allowance: MediaAllowance) -> Any:
         with self._lock:
             self.queued -= 1
             self.running += 1
         try:
             deadline.check()  # the request was abandoned while this job waited for a thread
-            return encoder.load_one(key, where, deadline)
+            return encoder.load_one(key, where, deadline, allowance)
         finally:
             with self._lock:
                 self.running -= 1
@@ -55,10 +58,11 @@ class MediaPool:
         for key, where in jobs:
             first.setdefault(key, where)
         futures = {}
+        allowance = MediaAllowance(self.budget)  # one account per request
         for key, where in first.items():
             with self._lock:
                 self.queued += 1
-            futures[key] = self._executor.submit(self._job, encoder, key, where, deadline)
+            futures[key] = self._executor.submit(self._job, encoder, key, where, deadline, allowance)
         return [key for key, _ in jobs], futures
 
     def _abandon(self, futures: dict[Hashable, Future], deadline: Deadline) -> None:

@@ -19,6 +19,7 @@ from ..models.request import DecisionRequest, parse_request
 from .artifact import Artifact
 from .deadline import Deadline
 from .engine import Engine, EngineOptions, Prepared
+from .media_allowance import MediaBudget
 from .media_encoder import LoadedMedia
 from .media_pool import MediaPool
 from .prompt import RenderedPrompt
@@ -44,7 +45,7 @@ class DecisionService:
 
     def __init__(self, artifact: Artifact, options: EngineOptions | None = None,
                  served_model_names: list[str] | None = None, media_limits: MediaLimits | None = None,
-                 media_workers: int = 8):
+                 media_workers: int = 8, media_budget: MediaBudget | None = None):
         options = options or EngineOptions()
         if options.max_model_len and options.max_model_len > artifact.max_model_len:
             raise ValueError(f"max_model_len={options.max_model_len} is more than the model's "
@@ -54,7 +55,7 @@ class DecisionService:
         self.served_model_names = served_model_names or [artifact.source]
         self.engine: Engine = artifact.entry.load_engine()(artifact, options)
         self.media_limits = media_limits or MediaLimits()
-        self.media_pool = MediaPool(media_workers)
+        self.media_pool = MediaPool(media_workers, media_budget)
 
     @property
     def max_model_len(self) -> int:

@@ -23,6 +23,7 @@ def _load_request(path: str) -> Any:
 
 def _service(args: argparse.Namespace):
     from .runtime.artifact import Artifact
+    from .runtime.media_allowance import MediaBudget
     from .runtime.media_fetch import FetchPolicy
     from .runtime.engine import EngineOptions
     from .runtime.service import DecisionService, MediaLimits
@@ -35,7 +36,9 @@ def _service(args: argparse.Namespace):
     options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy)
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
                            media_limits=MediaLimits(args.limit_images, args.limit_videos),
-                           media_workers=args.media_workers)
+                           media_workers=args.media_workers,
+                           media_budget=MediaBudget(args.max_request_pixels, args.max_request_media_bytes,
+                                                    args.max_video_frame_pixels, args.max_jpeg_video_frames))
 
 
 def _print_error(exc: Exception) -> int:
@@ -133,6 +136,12 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--video-fetch-timeout", type=float, default=30.0, help="the same for a video")
     media.add_argument("--media-workers", type=int, default=8,
                        help="threads that fetch, decode and preprocess media, shared by all requests")
+    media.add_argument("--max-request-pixels", type=int, default=70_000_000,
+                       help="decoded pixels of one request's images and sampled video frames, from their headers")
+    media.add_argument("--max-request-media-bytes", type=int, default=256 << 20,
+                       help="bytes one request's media URLs may download in all")
+    media.add_argument("--max-video-frame-pixels", type=int, default=3840 * 2160, help="largest video frame")
+    media.add_argument("--max-jpeg-video-frames", type=int, default=64, help="most frames of a data:video/jpeg")
 
 
 def build_parser() -> argparse.ArgumentParser:
