@@ -109,4 +109,8 @@ class MediaPool:
         except asyncio.CancelledError:
             self._abandon(futures, deadline)
             raise
+        finally:
+            for future in wrapped:  # read here through `futures`; marked retrieved so asyncio does not log them
+                if future.done() and not future.cancelled():
+                    future.exception()
         return self._collect(keys, futures, deadline)
