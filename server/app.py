@@ -29,9 +29,10 @@ from ..runtime.engine import Prepared
 from ..runtime.service import DecisionService
 from .admission import Admission, ClientGone, watch
 from .auth import Unauthorized, check_bearer
-from .body import NotJson, decode_content, parse_json, read_capped
+from .body import BodyTimeout, NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
+from .parse_budget import ParseBudget
 
 log = logging.getLogger("systemone.server")
 
@@ -49,18 +50,27 @@ class ServerOptions:
     max_body_bytes: int = 64 << 20
     log_requests: bool = False
     parse_workers: int = 4  # threads that decode bodies, check requests and tokenize (never wait on media)
+    max_parse_bytes: int = 64 << 20  # bodies being parsed and checked at once (server/parse_budget.py)
 
 
 def _is_json(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == JSON_MEDIA_TYPE
 
 
+def _seconds(deadline: Deadline) -> float | None:
+    remaining = deadline.remaining()
+    return None if remaining == float("inf") else remaining
+
+
 def create_app(service: DecisionService, options: ServerOptions | None = None) -> FastAPI:
     """The app for one loaded model."""
     options = options or ServerOptions()
-    app = FastAPI(title="systemone-onnx", version="0.1.0")
+    # With an API key the interactive docs are off (they would describe the API to anyone); /metrics needs the key.
+    docs = {} if options.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="systemone-onnx", version="0.1.0", **docs)
     admission = Admission(options.max_concurrency, options.max_queue)
     parsing = ThreadPoolExecutor(options.parse_workers, thread_name_prefix="systemone-parse")
+    parse_budget = ParseBudget(options.max_parse_bytes)
     metrics = Metrics()
     started = int(time.time())
     release_date = service.artifact.manifest.exported_at[:10]
@@ -91,8 +101,12 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
                 "queued": admission.queued, "media_running": pool.running, "media_queued": pool.queued}
         return JSONResponse(body, status_code=503 if admission.full or media_full else 200)
 
-    @app.get("/metrics")
-    async def metrics_endpoint() -> PlainTextResponse:
+    @app.get("/metrics", response_model=None)
+    async def metrics_endpoint(request: Request) -> PlainTextResponse | JSONResponse:
+        try:
+            check_bearer(request.headers.get("authorization"), options.api_key)
+        except Unauthorized as exc:
+            return unauthorized(exc)
         return PlainTextResponse(metrics.render(admission.running, admission.queued, service.media_pool.running),
                                  media_type="text/plain; version=0.0.4")
 
@@ -145,9 +159,18 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
         check_bearer(request.headers.get("authorization"), options.api_key)
         if not _is_json(request.headers.get("content-type")):
             raise NotJson(UNSUPPORTED_MEDIA_MESSAGE)
-        raw = await read_capped(request.stream(), request.headers.get("content-length"), options.max_body_bytes)
+        if "content-length" in request.headers and "transfer-encoding" in request.headers:
+            raise DecisionError("a request may not carry both Content-Length and Transfer-Encoding")
         deadline = Deadline(options.request_timeout_s)
+        try:  # the body is under the request's deadline too: a client that drips its body is cut off
+            raw = await asyncio.wait_for(read_capped(request.stream(), request.headers.get("content-length"),
+                                                     options.max_body_bytes), _seconds(deadline))
+        except asyncio.TimeoutError:
+            raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s "
+                              "(--request-timeout)") from None
         loop = asyncio.get_running_loop()
+        # A compressed body may inflate to the body cap: it is held at that size.
+        parsed_size = options.max_body_bytes if request.headers.get("content-encoding") else len(raw)
 
         def parse(raw: bytes):
             body = parse_json(decode_content(raw, request.headers.get("content-encoding"), options.max_body_bytes))
@@ -165,7 +188,8 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media)
 
         try:
-            prepared = await watch(prepare(), deadline, request.is_disconnected)
+            with parse_budget.hold(parsed_size):
+                prepared = await watch(prepare(), deadline, request.is_disconnected)
             run_options = ort.RunOptions()
 
             def stop() -> None:

@@ -72,19 +72,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .server.app import ServerOptions, create_app
     from .server.auth import is_loopback
+    from .server.connections import AcceptFailureFilter, guarded_protocol, raise_descriptor_limit
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = (args.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None
     if api_key is None and not is_loopback(args.host) and not args.allow_unauthenticated:
         print(f"refusing to serve on {args.host} without an API key: set --api-key (or {API_KEY_ENV}), bind a "
               "loopback address, or pass --allow-unauthenticated", file=sys.stderr)
         return 2
     options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                            log_requests=args.log_requests)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                            log_requests=args.log_requests, max_parse_bytes=args.max_parse_bytes)
+    # uvicorn's "trace" is below DEBUG and unknown to logging.basicConfig
+    level = 5 if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("asyncio").addFilter(AcceptFailureFilter())
+    # Connections stay below the descriptor limit (model files, media sockets and logs need some too).
+    max_connections = min(args.max_connections, max(16, raise_descriptor_limit() - 256))
     app = create_app(_service(args), options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.request_timeout) + 5)
+                timeout_graceful_shutdown=int(args.request_timeout) + 5,
+                http=guarded_protocol(args.header_timeout, max_connections), limit_concurrency=max_connections,
+                timeout_keep_alive=5)
     return 0
 
 
@@ -172,7 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
                        help="largest request body, compressed or decompressed (413 over it)")
     serve.add_argument("--log-requests", action="store_true", help="log request bodies (they hold the state)")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--max-parse-bytes", type=int, default=64 << 20,
+                       help="bytes of request bodies parsed and checked at once (503 + Retry-After past it)")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection may take to send a request's headers (then it is closed)")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections; more are closed at once (and kept below the descriptor limit)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug",
+                                                                "trace"])
     serve.set_defaults(func=cmd_serve)
 
     for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),
