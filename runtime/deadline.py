@@ -51,6 +51,14 @@ class Deadline:
         non-blocking)."""
         return max(0.001, min(seconds, self.remaining()))
 
+    def child(self) -> Deadline:
+        """A deadline for part of the request's work: it ends with this one (time or cancel), and cancelling it
+        stops only that part (the media pool stops a request's other fetches when one of them fails)."""
+        child = Deadline(self.remaining(), self.flag)
+        child.seconds = self.seconds  # its error names the request's limit
+        self.on_cancel(child.cancel)
+        return child
+
     def cancel(self) -> None:
         """Abandon the request: every registered callback runs once (in this thread)."""
         with self._lock:

@@ -149,12 +149,14 @@ class _PinnedHTTPConnection(http.client.HTTPConnection):
         self._address = address
 
     def connect(self) -> None:
-        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._connected = socket.create_connection((self._address, self.port), self.timeout)
 
     def abort(self) -> None:
-        """Wake a read blocked in another thread (close alone does not interrupt a blocked recv)."""
-        if self.sock is not None:
-            self.sock.shutdown(socket.SHUT_RDWR)
+        """Wake a read blocked in another thread (close alone does not interrupt a blocked recv). The socket kept
+        at connect: after an HTTP/1.0 or `Connection: close` response the connection drops `self.sock` while its
+        response still reads from it."""
+        if getattr(self, "_connected", None) is not None:
+            self._connected.shutdown(socket.SHUT_RDWR)
 
 
 class _PinnedHTTPSConnection(http.client.HTTPSConnection):
@@ -164,11 +166,12 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
 
     def connect(self) -> None:
         raw = socket.create_connection((self._address, self.port), self.timeout)
+        self._connected = raw  # shut down under TLS, so a read blocked in the TLS layer wakes too
         self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
 
     def abort(self) -> None:
-        if self.sock is not None:
-            self.sock.shutdown(socket.SHUT_RDWR)
+        if getattr(self, "_connected", None) is not None:
+            self._connected.shutdown(socket.SHUT_RDWR)
 
 
 def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy) -> str:

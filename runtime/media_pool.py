@@ -2,9 +2,9 @@
 (--media-workers), apart from the threads that parse requests, so slow media servers can only make media wait.
 
 Each distinct input of a request is one job (decision 6: the same URL twice is loaded once), run within the
-request's deadline. When the deadline passes, or a job fails, the request's deadline is cancelled: fetches in flight
-stop at once (their sockets are shut down) and queued jobs do nothing, so no media thread works on for a request
-that has already been answered.
+request's deadline. When the deadline passes, or a job fails, the request's media batch is cancelled: fetches in
+flight stop at once (their sockets are shut down) and queued jobs do nothing, so no media thread works on for a
+request that has already been answered.
 """
 
 from __future__ import annotations
@@ -52,18 +52,19 @@ class MediaPool:
                 self.running -= 1
 
     def _submit(self, encoder: MediaEncoder[Any], request: DecisionRequest, deadline: Deadline
-                ) -> tuple[list[Hashable], dict[Hashable, Future]]:
+                ) -> tuple[list[Hashable], dict[Hashable, Future], Deadline]:
         jobs = encoder.jobs(request)
         first: dict[Hashable, str] = {}
         for key, where in jobs:
             first.setdefault(key, where)
         futures = {}
         allowance = MediaAllowance(self.budget)  # one account per request
+        batch = deadline.child()  # cancelled when a job fails: the others stop, the request goes on to answer
         for key, where in first.items():
             with self._lock:
                 self.queued += 1
-            futures[key] = self._executor.submit(self._job, encoder, key, where, deadline, allowance)
-        return [key for key, _ in jobs], futures
+            futures[key] = self._executor.submit(self._job, encoder, key, where, batch, allowance)
+        return [key for key, _ in jobs], futures, batch
 
     def _abandon(self, futures: dict[Hashable, Future], deadline: Deadline) -> None:
         for future in futures.values():
@@ -88,10 +89,10 @@ class MediaPool:
              ) -> LoadedMedia[Any]:
         """A request's media, loaded in the pool; the calling thread waits (the CLI, tests)."""
         deadline = deadline or Deadline()
-        keys, futures = self._submit(encoder, request, deadline)
+        keys, futures, batch = self._submit(encoder, request, deadline)
         _, pending = wait(futures.values(), timeout=_timeout(deadline), return_when=FIRST_EXCEPTION)
         if pending:
-            self._abandon(futures, deadline)
+            self._abandon(futures, batch)
             wait(futures.values())
         return self._collect(keys, futures, deadline)
 
@@ -99,15 +100,15 @@ class MediaPool:
                          ) -> LoadedMedia[Any]:
         """The same, awaited on the event loop: no thread waits for the jobs, and a cancelled task (the client
         went away) abandons them."""
-        keys, futures = self._submit(encoder, request, deadline)
+        keys, futures, batch = self._submit(encoder, request, deadline)
         wrapped = [asyncio.wrap_future(f) for f in futures.values()]
         try:
             _, pending = await asyncio.wait(wrapped, timeout=_timeout(deadline), return_when=FIRST_EXCEPTION)
             if pending:
-                self._abandon(futures, deadline)
+                self._abandon(futures, batch)
                 await asyncio.wait(wrapped)
         except asyncio.CancelledError:
-            self._abandon(futures, deadline)
+            self._abandon(futures, batch)
             raise
         finally:
             for future in wrapped:  # read here through `futures`; marked retrieved so asyncio does not log them

@@ -169,11 +169,12 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s "
                               "(--request-timeout)") from None
         loop = asyncio.get_running_loop()
-        # A compressed body may inflate to the body cap: it is held at that size.
-        parsed_size = options.max_body_bytes if request.headers.get("content-encoding") else len(raw)
+        encoding = request.headers.get("content-encoding")
+        if encoding:  # inflated first (each at most the body cap), so the parse budget holds its real size
+            raw = await loop.run_in_executor(parsing, decode_content, raw, encoding, options.max_body_bytes)
 
         def parse(raw: bytes):
-            body = parse_json(decode_content(raw, request.headers.get("content-encoding"), options.max_body_bytes))
+            body = parse_json(raw)
             if options.log_requests:
                 log.info("request %s body %s", request_id or "-", json.dumps(body, ensure_ascii=False)[:10000])
             return service.validate(body)
@@ -188,7 +189,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media)
 
         try:
-            with parse_budget.hold(parsed_size):
+            with parse_budget.hold(len(raw)):
                 prepared = await watch(prepare(), deadline, request.is_disconnected)
             run_options = ort.RunOptions()
 

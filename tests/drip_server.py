@@ -11,8 +11,9 @@ from contextlib import contextmanager
 
 
 class DripServer:
-    def __init__(self, interval_s: float = 1.0, declared: int = 100 << 20, headers_too: bool = False):
-        self.interval_s, self.declared, self.headers_too = interval_s, declared, headers_too
+    def __init__(self, interval_s: float = 1.0, declared: int = 100 << 20, headers_too: bool = False,
+                 version: str = "HTTP/1.1"):
+        self.interval_s, self.declared, self.headers_too, self.version = interval_s, declared, headers_too, version
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self._lock = threading.Lock()
@@ -27,7 +28,7 @@ class DripServer:
         try:
             conn.settimeout(5)
             conn.recv(65536)  # the request
-            head = f"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: {self.declared}\r\n\r\n".encode()
+            head = f"{self.version} 200 OK\r\nContent-Type: image/png\r\nContent-Length: {self.declared}\r\n\r\n".encode()
             if not self.headers_too:
                 conn.sendall(head)
                 head = b""

@@ -46,11 +46,12 @@ def in_thread(work, within_s: float):
     return out
 
 
-@pytest.mark.parametrize("headers_too", [False, True])
-def test_a_fetch_that_drips_stops_at_its_overall_deadline(headers_too):
-    """A byte a second keeps every read alive; the fetch's overall deadline (--image-fetch-timeout) ends it."""
+@pytest.mark.parametrize("headers_too, version", [(False, "HTTP/1.1"), (True, "HTTP/1.1"), (False, "HTTP/1.0")])
+def test_a_fetch_that_drips_stops_at_its_overall_deadline(headers_too, version):
+    """A byte a second keeps every read alive; the fetch's overall deadline (--image-fetch-timeout) ends it
+    (HTTP/1.0: the connection lets go of its socket while the response still reads from it)."""
     policy = FetchPolicy(allow_private_hosts=True, image_timeout_s=1.5)
-    with DripServer(interval_s=0.5, headers_too=headers_too).running() as drip:
+    with DripServer(interval_s=0.5, headers_too=headers_too, version=version).running() as drip:
         out = in_thread(lambda: fetch(drip.url + "/slow.png", "images[0]", "image", policy), within_s=10)
         assert drip.wait_closed(within_s=2)
     assert isinstance(out["error"], MediaUnreadable)
