@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from .media_fetch import MediaTooLarge
+from .media_errors import MediaTooLarge
 
 
 @dataclass(frozen=True)

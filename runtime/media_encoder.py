@@ -1,8 +1,9 @@
 """A request's media, taken once (decision 6): each distinct URL fetched, decoded and preprocessed once
 (concurrently), then run through the vision graph once, whatever the number of questions.
 
-Loading (fetch, decode, preprocess; in the media pool, runtime/media_pool.py) and encoding (the vision graph) are two steps: every media error is found
-while loading, before the request takes an inference slot; encoding runs in the slot. A family's encoder says
+Loading (fetch, decode, preprocess; in the media pool, runtime/media_pool.py) and encoding (the vision graph) are
+two steps: every media error is found while loading, before the request takes an inference slot; encoding runs in
+the slot. A family's encoder says
 which media a request carries, how one is loaded and how its rows come out of the vision graph.
 """
 

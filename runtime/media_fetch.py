@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import SplitResult, urljoin, urlsplit
 
-from ..models.errors import DecisionError, TimedOut, TooLarge, Unreadable
+from ..models.errors import TimedOut
 from .deadline import Deadline
+from .media_allowance import MediaAllowance
+from .media_errors import MediaError, MediaTooLarge, MediaUnreadable  # noqa: F401 - callers import them from here too
 
 USER_AGENT = "systemone-onnx"
 MAX_REDIRECTS = 5
@@ -32,24 +34,6 @@ READ_CHUNK = 64 << 10
 # known and local-use prefixes): on a NAT64/SIIT network they reach that IPv4 address, so they are judged by it.
 _EMBEDS_IPV4_LOW32 = tuple(ipaddress.ip_network(n) for n in ("::/96", "::ffff:0:0:0/96", "64:ff9b::/96",
                                                                "64:ff9b:1::/48"))
-
-
-class MediaError(DecisionError):
-    """A media input the server will not take; `where` names it ("images[0]")."""
-
-    def __init__(self, where: str, message: str, param: str | None = None):
-        super().__init__(f"media: {where}: {message}", param=param)
-
-
-class MediaTooLarge(MediaError, TooLarge):
-    pass
-
-
-class MediaUnreadable(MediaError, Unreadable):
-    """Well-formed but cannot be fetched or decoded (decision 1: a 4xx, where vLLM answers 5xx)."""
-
-    def __init__(self, where: str, message: str):
-        super().__init__(where, message, param="image_url")
 
 
 @dataclass(frozen=True)
@@ -189,7 +173,8 @@ def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy) -> st
     return addresses[0]
 
 
-def _read_body(response: http.client.HTTPResponse, limit: int, where: str, allowance=None) -> bytes:
+def _read_body(response: http.client.HTTPResponse, limit: int, where: str,
+               allowance: MediaAllowance | None = None) -> bytes:
     """The body in chunks as they come (read1), so a fetch cut off by its deadline returns at once."""
     length = response.getheader("Content-Length")
     if length and length.isdigit() and int(length) > limit:
@@ -205,7 +190,8 @@ def _read_body(response: http.client.HTTPResponse, limit: int, where: str, allow
     return b"".join(parts)
 
 
-def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline, allowance=None) -> bytes:
+def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline,
+         allowance: MediaAllowance | None = None) -> bytes:
     for _ in range(MAX_REDIRECTS + 1):
         parts = _split(url, where)
         host = parts.hostname
@@ -250,7 +236,7 @@ def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline, al
 
 
 def _http(url: str, where: str, total_s: float, flag: str, policy: FetchPolicy, deadline: Deadline,
-          allowance=None) -> bytes:
+          allowance: MediaAllowance | None = None) -> bytes:
     """GET within `total_s` (connect, redirects, headers, body), or less if the request's deadline is nearer."""
     deadline.check()
     fetch_deadline = Deadline(min(total_s, deadline.remaining()))
@@ -270,7 +256,7 @@ def _http(url: str, where: str, total_s: float, flag: str, policy: FetchPolicy, 
 
 
 def fetch(url: str, where: str, kind: str, policy: FetchPolicy, deadline: Deadline | None = None,
-          allowance=None) -> bytes:
+          allowance: MediaAllowance | None = None) -> bytes:
     """The bytes behind one media URL of the request (`where` names it, e.g. "images[0]"), within the request's
     `deadline` (none: only the fetch's own) and its download budget (`allowance`, a MediaAllowance)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""

@@ -79,8 +79,8 @@ def attacks(port: int, media: Path, drip_url: str) -> dict[str, object]:
     frame = base64.b64encode(saved(Image.new("RGB", (64, 64), (10, 20, 30)), "JPEG")).decode()
     q = {"q": NOUL}
     return {
-        "image_bombs": {"state": "x", "images": [f"file://{media}/bomb.{ext}" for ext in ("png", "tiff", "gif", "webp")],
-                        "questions": q},
+        "image_bombs": {"state": "x", "questions": q,
+                        "images": [f"file://{media}/bomb.{ext}" for ext in ("png", "tiff", "gif", "webp")]},
         "slow_media": {"state": "x", "images": [f"{drip_url}/a.png", f"{drip_url}/b.png"], "questions": q},
         "bad_urls": {"state": "x", "images": ["http://[::1", "http://[zz]/", "http://[::7f00:1]/a.png",
                                              "http://[64:ff9b::7f00:1]/", f"file://{media}/a\u0000b.png",
