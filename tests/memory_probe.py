@@ -1,4 +1,4 @@
-"""Run as `python -m tests.memory_probe ARTIFACT BODY.json LIMIT_MB`: load the artifact, prepare the request (media
+"""Run as `python -m tests.memory_probe ARTIFACT BODY.json LIMIT_MB [ATTENTION_BUDGET]`: load the artifact, prepare the request (media
 fetched, decoded and preprocessed; prompts tokenized) and, when it is accepted, answer it; print one JSON line with
 the outcome, the seconds and the peak RSS increase over the loaded server's. RSS is sampled every 5 ms and the
 process ends itself (exit 3) past LIMIT_MB, so a test of a memory bomb cannot take the machine down."""
@@ -18,7 +18,7 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def main(artifact: str, body_path: str, limit_mb: float, workers: int = 8) -> None:
+def main(artifact: str, body_path: str, limit_mb: float, attention_budget: int | None = None) -> None:
     from systemone.models.errors import DecisionError
     from systemone.runtime.artifact import Artifact
     from systemone.runtime.engine import EngineOptions
@@ -26,7 +26,8 @@ def main(artifact: str, body_path: str, limit_mb: float, workers: int = 8) -> No
     from systemone.runtime.service import DecisionService
     from systemone.server.errors import http_status
 
-    options = EngineOptions(device="cpu", fetch_policy=FetchPolicy(allowed_local_path=Path(body_path).parent))
+    options = EngineOptions(device="cpu", fetch_policy=FetchPolicy(allowed_local_path=Path(body_path).parent),
+                            **({"attention_budget": attention_budget} if attention_budget else {}))
     service = DecisionService(Artifact.load(artifact), options)
     body = json.loads(Path(body_path).read_text())
     service.decide({"state": "warm", "questions": {"q": {"type": "noul", "instructions": "ok?"}}})
@@ -56,4 +57,4 @@ def main(artifact: str, body_path: str, limit_mb: float, workers: int = 8) -> No
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], float(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)
