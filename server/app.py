@@ -1,9 +1,10 @@
-"""The HTTP surface: `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /metrics` (spec 1, 5, 6; README).
+"""The HTTP surface: `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /ready`, `GET /metrics` (spec 1,
+5, 6; README).
 
 A request flows: auth -> body (size cap, zstd/gzip, JSON) and checks in the parsing pool -> media in the media
 pool (runtime/media_pool.py) -> prompts in the parsing pool -> admission (bounded running + queue) -> the graphs in
-a worker thread -> JSON. One deadline (--request-timeout) covers every step after the body is read; the request's
-client is watched throughout. Anything a client sends ends in a JSON 2xx/4xx; 5xx means our bug (500) or a full
+a worker thread -> JSON. One deadline (--request-timeout) covers every step from the body's first byte; the
+request's client is watched throughout. Anything a client sends ends in a JSON 2xx/4xx; 5xx means our bug (500) or a full
 or late server (503 + Retry-After).
 """
 
