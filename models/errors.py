@@ -46,6 +46,10 @@ class Unavailable(DecisionError):
         self.retry_after_s = retry_after_s
 
 
+class TimedOut(Unavailable):
+    """The request ran past its deadline (--request-timeout) and its work was stopped."""
+
+
 @dataclass
 class SchemaIssue:
     """One schema problem, in FastAPI's `{"loc", "msg", "type"}` shape."""

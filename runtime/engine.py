@@ -1,8 +1,8 @@
 """The contract every family's engine keeps, and the options every engine takes.
 
 An engine turns a validated request into one `Readout` per question, in two steps: `prepare` does everything that
-can refuse the request (media read, prompts rendered, tokenized and checked, labels found) without running a
-graph, so a bad request is refused before it takes an inference slot; `run` runs the graphs.
+can refuse the request (prompts rendered, tokenized and checked on the media its encoder loaded, labels found)
+without running a graph, so a bad request is refused before it takes an inference slot; `run` runs the graphs.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from ..models.family import Family, Labels, Readout
 from ..models.questions import Question
 from ..models.request import DecisionRequest
 from .artifact import Artifact
+from .media_encoder import LoadedMedia, MediaEncoder
 from .media_fetch import FetchPolicy
 from .prompt import RenderedPrompt
 from .session import GraphSession
@@ -46,14 +47,17 @@ class Engine(ABC):
     max_model_len: int
     session: GraphSession  # the text graph's
     unsupported: str | None = None  # why the model cannot serve decisions at all, if it cannot
+    media: MediaEncoder[Any] | None = None  # how its images and videos are loaded and encoded, if it takes any
 
     @abstractmethod
     def __init__(self, artifact: Artifact, options: EngineOptions):
         """Open the artifact's graphs on `options.device`."""
 
     @abstractmethod
-    def prepare(self, request: DecisionRequest, questions: list[Question]) -> Prepared:
-        """Media read, prompts and labels; raises `DecisionError` for anything the model cannot answer."""
+    def prepare(self, request: DecisionRequest, questions: list[Question], media: LoadedMedia[Any] | None = None
+                ) -> Prepared:
+        """Prompts and labels on the request's `media` (loaded by `self.media` in the media pool; None when the
+        request has none); raises `DecisionError` for anything the model cannot answer."""
 
     @abstractmethod
     def run(self, prepared: Prepared, run_options: Any = None) -> list[Readout]:

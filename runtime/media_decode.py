@@ -9,6 +9,7 @@ import io
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .media_allowance import MediaAllowance
 from .media_fetch import MediaError
 
 MAX_IMAGE_PIXELS = 178_956_970  # vLLM's VLLM_MAX_IMAGE_PIXELS default
@@ -19,8 +20,12 @@ WHITE = (255, 255, 255)
 Image.MAX_IMAGE_PIXELS = None
 
 
-def decode_image(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
-    """Image bytes -> RGB uint8 [H, W, 3]."""
+def decode_image(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS,
+                 allowance: MediaAllowance | None = None) -> np.ndarray:
+    """Image bytes -> RGB uint8 [H, W, 3]; its pixels taken from the request's `allowance` before decoding.
+
+    JPEG's draft mode (decoding at 1/2 to 1/8 scale) would make large photos cheaper, but the pixels would differ
+    from the reference's full decode and resize, so images are decoded in full within the budget instead."""
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         width, height = image.size
@@ -29,6 +34,8 @@ def decode_image(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) ->
                                     f"maximum of {max_pixels} pixels.")
         if width < 1 or height < 1:
             raise MediaError(where, f"Image dimensions {width}x{height} are empty")
+        if allowance is not None:
+            allowance.take_pixels(width * height, where, f"Image {width}x{height}")
         image.load()
         image = ImageOps.exif_transpose(image)
         if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:

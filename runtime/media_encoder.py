@@ -1,8 +1,9 @@
 """A request's media, taken once (decision 6): each distinct URL fetched, decoded and preprocessed once
 (concurrently), then run through the vision graph once, whatever the number of questions.
 
-Loading (fetch, decode, preprocess) and encoding (the vision graph) are two steps: every media error is found
-while loading, before the request takes an inference slot; encoding runs in the slot. A family's encoder says
+Loading (fetch, decode, preprocess; in the media pool, runtime/media_pool.py) and encoding (the vision graph) are
+two steps: every media error is found while loading, before the request takes an inference slot; encoding runs in
+the slot. A family's encoder says
 which media a request carries, how one is loaded and how its rows come out of the vision graph.
 """
 
@@ -16,7 +17,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from ..models.request import DecisionRequest
-from .media_fetch import FetchPolicy, load_each_once
+from .deadline import Deadline
+from .media_allowance import MediaAllowance
+from .media_fetch import FetchPolicy
 from .session import GraphSession
 
 Item = TypeVar("Item")
@@ -43,16 +46,13 @@ class MediaEncoder(ABC, Generic[Item]):
         """(key, where) of every media input in prompt order; `where` names it in errors ("images[0]")."""
 
     @abstractmethod
-    def load_one(self, key: Hashable, where: str) -> Item:
-        """Fetch, decode and preprocess one input; a `DecisionError` naming `where` when it cannot be read."""
+    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance) -> Item:
+        """Fetch, decode and preprocess one input within the request's `deadline` and media budget
+        (`allowance`); a `DecisionError` naming `where` when it cannot be read (runtime/media_pool.py runs it)."""
 
     @abstractmethod
     def rows(self, item: Item, run_options: Any) -> np.ndarray:
         """The vision graph's rows [n, hidden] of one preprocessed input."""
-
-    def load(self, request: DecisionRequest) -> LoadedMedia[Item]:
-        jobs = self.jobs(request)
-        return LoadedMedia([key for key, _ in jobs], load_each_once(jobs, self.load_one))
 
     def encode(self, media: LoadedMedia[Item], run_options: Any = None) -> np.ndarray:
         """Rows of every input in prompt order [rows, hidden] float32; each distinct input runs once."""

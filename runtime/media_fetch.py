@@ -1,9 +1,12 @@
 """Fetching a request's media URLs, safe by default (spec 6.1; decisions 1 and 6).
 
 http(s) and base64 `data:` URLs; `file://` only under an allowed directory; hosts that resolve to private,
-loopback, link-local or otherwise non-public addresses are refused unless allowed, checked on the address actually
-connected to and again on every redirect; optional exact-hostname allow-list; timeouts; a download cap. Every
-failure is a 4xx `MediaError` whose message names the URL's place in the request (`images[1]`).
+loopback, link-local or otherwise non-public addresses are refused unless allowed (IPv6 forms that embed an IPv4
+address are judged by that address), checked on the address actually connected to and again on every redirect;
+optional exact-hostname allow-list; a download cap. Each http(s) fetch has an overall deadline (connect, headers and
+body together: --image-fetch-timeout, --video-fetch-timeout) within the request's, and stops at once when its
+request is abandoned. Every failure is a 4xx `MediaError` whose message names the URL's place in the request
+(`images[1]`); only the request's own deadline is a 503.
 """
 
 from __future__ import annotations
@@ -14,37 +17,23 @@ import http.client
 import ipaddress
 import socket
 import ssl
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import SplitResult, urljoin, urlsplit
 
-from ..models.errors import DecisionError, TooLarge, Unreadable
+from ..models.errors import TimedOut
+from .deadline import Deadline
+from .media_allowance import MediaAllowance
+from .media_errors import MediaError, MediaTooLarge, MediaUnreadable  # noqa: F401 - callers import them from here too
 
-K = TypeVar("K")
-T = TypeVar("T")
 USER_AGENT = "systemone-onnx"
 MAX_REDIRECTS = 5
-
-
-class MediaError(DecisionError):
-    """A media input the server will not take; `where` names it ("images[0]")."""
-
-    def __init__(self, where: str, message: str, param: str | None = None):
-        super().__init__(f"media: {where}: {message}", param=param)
-
-
-class MediaTooLarge(MediaError, TooLarge):
-    pass
-
-
-class MediaUnreadable(MediaError, Unreadable):
-    """Well-formed but cannot be fetched or decoded (decision 1: a 4xx, where vLLM answers 5xx)."""
-
-    def __init__(self, where: str, message: str):
-        super().__init__(where, message, param="image_url")
+READ_CHUNK = 64 << 10
+# IPv6 ranges that carry an IPv4 address in their last 32 bits (IPv4-compatible, IPv4-translated SIIT, NAT64 well
+# known and local-use prefixes): on a NAT64/SIIT network they reach that IPv4 address, so they are judged by it.
+_EMBEDS_IPV4_LOW32 = tuple(ipaddress.ip_network(n) for n in ("::/96", "::ffff:0:0:0/96", "64:ff9b::/96",
+                                                               "64:ff9b:1::/48"))
 
 
 @dataclass(frozen=True)
@@ -52,24 +41,52 @@ class FetchPolicy:
     allowed_local_path: Path | None = None
     allowed_domains: frozenset[str] | None = None
     allow_private_hosts: bool = False
-    image_timeout_s: float = 5.0
-    video_timeout_s: float = 30.0
+    image_timeout_s: float = 5.0  # a whole image fetch (connect, headers, body), as vLLM's VLLM_IMAGE_FETCH_TIMEOUT
+    video_timeout_s: float = 30.0  # a whole video fetch, as VLLM_VIDEO_FETCH_TIMEOUT
     max_bytes: int = 256 << 20
 
 
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if ip.ipv4_mapped:
+        return ip.ipv4_mapped
+    if ip.sixtofour:
+        return ip.sixtofour
+    if ip.teredo:
+        return ip.teredo[1]
+    if any(ip in network for network in _EMBEDS_IPV4_LOW32) and int(ip) & 0xFFFFFFFF:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def _public(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.is_site_local:  # fec0::/10, deprecated (RFC 3879) but still routed inside some sites
+            return False
+        embedded = _embedded_ipv4(ip)
+        if embedded is not None:
+            return _public(str(embedded))
     return ip.is_global and not ip.is_multicast
 
 
-def _read_capped(stream, limit: int, where: str, declared: int | None = None) -> bytes:
-    if declared is not None and declared > limit:
-        raise MediaTooLarge(where, f"download is larger than the {limit}-byte limit (--max-media-bytes)")
+def _split(url: str, where: str) -> SplitResult:
+    """urlsplit, with the port and host checked (a bad bracketed host or port is the client's 400)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+        return parts
+    except ValueError as exc:
+        raise MediaError(where, f"Invalid URL: {exc}") from None
+
+
+def _too_large(where: str, limit: int) -> MediaTooLarge:
+    return MediaTooLarge(where, f"download is larger than the {limit}-byte limit (--max-media-bytes)")
+
+
+def _read_capped(stream, limit: int, where: str) -> bytes:
     data = stream.read(limit + 1)
     if len(data) > limit:
-        raise MediaTooLarge(where, f"download is larger than the {limit}-byte limit (--max-media-bytes)")
+        raise _too_large(where, limit)
     return data
 
 
@@ -90,17 +107,22 @@ def _data_url(url: str, where: str, limit: int) -> bytes:
 def _local_file(url: str, where: str, policy: FetchPolicy) -> bytes:
     if policy.allowed_local_path is None:
         raise MediaError(where, "Cannot load local files without `--allowed-local-media-path`.")
-    parts = urlsplit(url)
+    parts = _split(url, where)
     if parts.netloc not in ("", "localhost"):
         raise MediaError(where, "file URLs must name a local path (file:///...)")
     root = policy.allowed_local_path.resolve()
-    path = Path(parts.path).resolve()
-    if not path.is_relative_to(root):
-        raise MediaError(where, "The file path must be a subpath of `--allowed-local-media-path`.")
-    if not path.is_file():
-        raise MediaUnreadable(where, "no such file under `--allowed-local-media-path`")
-    with open(path, "rb") as f:
-        return _read_capped(f, policy.max_bytes, where)
+    try:
+        path = Path(parts.path).resolve()
+        if not path.is_relative_to(root):
+            raise MediaError(where, "The file path must be a subpath of `--allowed-local-media-path`.")
+        if not path.is_file():
+            raise MediaUnreadable(where, "no such file under `--allowed-local-media-path`")
+        with open(path, "rb") as f:
+            return _read_capped(f, policy.max_bytes, where)
+    except ValueError:  # a NUL byte in the path
+        raise MediaError(where, "the file path is not valid (it holds a NUL byte)") from None
+    except OSError as exc:  # a name too long for the file system, a directory that cannot be read
+        raise MediaError(where, f"the file path cannot be read: {exc.strerror or type(exc).__name__}") from None
 
 
 class _PinnedHTTPConnection(http.client.HTTPConnection):
@@ -111,7 +133,14 @@ class _PinnedHTTPConnection(http.client.HTTPConnection):
         self._address = address
 
     def connect(self) -> None:
-        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._connected = socket.create_connection((self._address, self.port), self.timeout)
+
+    def abort(self) -> None:
+        """Wake a read blocked in another thread (close alone does not interrupt a blocked recv). The socket kept
+        at connect: after an HTTP/1.0 or `Connection: close` response the connection drops `self.sock` while its
+        response still reads from it."""
+        if getattr(self, "_connected", None) is not None:
+            self._connected.shutdown(socket.SHUT_RDWR)
 
 
 class _PinnedHTTPSConnection(http.client.HTTPSConnection):
@@ -121,7 +150,12 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
 
     def connect(self) -> None:
         raw = socket.create_connection((self._address, self.port), self.timeout)
+        self._connected = raw  # shut down under TLS, so a read blocked in the TLS layer wakes too
         self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
+
+    def abort(self) -> None:
+        if getattr(self, "_connected", None) is not None:
+            self._connected.shutdown(socket.SHUT_RDWR)
 
 
 def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy) -> str:
@@ -139,22 +173,40 @@ def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy) -> st
     return addresses[0]
 
 
-def _http(url: str, where: str, timeout: float, policy: FetchPolicy) -> bytes:
+def _read_body(response: http.client.HTTPResponse, limit: int, where: str,
+               allowance: MediaAllowance | None = None) -> bytes:
+    """The body in chunks as they come (read1), so a fetch cut off by its deadline returns at once."""
+    length = response.getheader("Content-Length")
+    if length and length.isdigit() and int(length) > limit:
+        raise _too_large(where, limit)
+    parts, size = [], 0
+    while chunk := response.read1(READ_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(where, limit)
+        if allowance is not None:
+            allowance.take_bytes(len(chunk), where)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline,
+         allowance: MediaAllowance | None = None) -> bytes:
     for _ in range(MAX_REDIRECTS + 1):
-        parts = urlsplit(url)
+        parts = _split(url, where)
         host = parts.hostname
         if not host:
             raise MediaUnreadable(where, "Failed to fetch media from URL: Invalid URL")
         if policy.allowed_domains is not None and host not in policy.allowed_domains:
             raise MediaError(where, f"The URL must be from one of the allowed domains: "
                                     f"{sorted(policy.allowed_domains)}. Input URL domain: {host}")
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError:
-            raise MediaUnreadable(where, "Failed to fetch media from URL: Invalid URL") from None
+        port = parts.port or (443 if parts.scheme == "https" else 80)
         address = _vetted_address(host, port, where, policy)
         connection_class = _PinnedHTTPSConnection if parts.scheme == "https" else _PinnedHTTPConnection
-        connection = connection_class(host, address, port, timeout)
+        # Each socket operation waits at most what is left of the fetch's deadline; the deadline's cancel (its
+        # timer, or the request abandoned) shuts the socket down, so a server that drips bytes cannot hold on.
+        connection = connection_class(host, address, port, fetch_deadline.bound(fetch_deadline.seconds))
+        unregister = fetch_deadline.on_cancel(connection.abort)
         target = parts.path or "/"
         if parts.query:
             target += "?" + parts.query
@@ -162,40 +214,59 @@ def _http(url: str, where: str, timeout: float, policy: FetchPolicy) -> bytes:
             connection.request("GET", target, headers={"User-Agent": USER_AGENT, "Accept": "*/*"})
             response = connection.getresponse()
             if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
-                url = urljoin(url, response.getheader("Location"))
-                if urlsplit(url).scheme not in ("http", "https"):
+                try:
+                    url = urljoin(url, response.getheader("Location"))
+                except ValueError as exc:
+                    raise MediaError(where, f"redirected to an invalid URL: {exc}") from None
+                if _split(url, where).scheme not in ("http", "https"):
                     raise MediaError(where, "redirected to a URL that is not http(s)")
                 continue
             if response.status >= 400:
                 raise MediaUnreadable(where, f"Failed to fetch media from URL: HTTP {response.status} error")
-            length = response.getheader("Content-Length")
-            declared = int(length) if length and length.isdigit() else None
-            return _read_capped(response, policy.max_bytes, where, declared)
+            data = _read_body(response, policy.max_bytes, where, allowance)
+            fetch_deadline.check()  # a body cut short by the deadline is not an answer
+            return data
         except (OSError, http.client.HTTPException) as exc:
+            fetch_deadline.check()
             raise MediaUnreadable(where, f"Failed to fetch media from URL: {type(exc).__name__}: {exc}") from None
         finally:
+            unregister()
             connection.close()
     raise MediaUnreadable(where, f"Failed to fetch media from URL: more than {MAX_REDIRECTS} redirects")
 
 
-def fetch(url: str, where: str, kind: str, policy: FetchPolicy) -> bytes:
-    """The bytes behind one media URL of the request (`where` names it, e.g. "images[0]")."""
+def _http(url: str, where: str, total_s: float, flag: str, policy: FetchPolicy, deadline: Deadline,
+          allowance: MediaAllowance | None = None) -> bytes:
+    """GET within `total_s` (connect, redirects, headers, body), or less if the request's deadline is nearer."""
+    deadline.check()
+    fetch_deadline = Deadline(min(total_s, deadline.remaining()))
+    unlink = deadline.on_cancel(fetch_deadline.cancel)
+    timer = threading.Timer(fetch_deadline.seconds, fetch_deadline.cancel)
+    timer.daemon = True
+    timer.start()
+    try:
+        return _get(url, where, policy, fetch_deadline, allowance)
+    except TimedOut:
+        deadline.check()  # the request's own deadline: 503
+        raise MediaUnreadable(where, f"Failed to fetch media from URL: not done within {total_s:g} s ({flag})"
+                              ) from None
+    finally:
+        timer.cancel()
+        unlink()
+
+
+def fetch(url: str, where: str, kind: str, policy: FetchPolicy, deadline: Deadline | None = None,
+          allowance: MediaAllowance | None = None) -> bytes:
+    """The bytes behind one media URL of the request (`where` names it, e.g. "images[0]"), within the request's
+    `deadline` (none: only the fetch's own) and its download budget (`allowance`, a MediaAllowance)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
-        return _data_url(url, where, policy.max_bytes)
-    if scheme == "file":
-        return _local_file(url, where, policy)
+    if scheme in ("data", "file"):
+        data = _data_url(url, where, policy.max_bytes) if scheme == "data" else _local_file(url, where, policy)
+        if allowance is not None:
+            allowance.take_bytes(len(data), where)
+        return data
     if scheme in ("http", "https"):
-        timeout = policy.video_timeout_s if kind == "video" else policy.image_timeout_s
-        return _http(url, where, timeout, policy)
+        total, flag = ((policy.video_timeout_s, "--video-fetch-timeout") if kind == "video"
+                       else (policy.image_timeout_s, "--image-fetch-timeout"))
+        return _http(url, where, total, flag, policy, deadline or Deadline(), allowance)
     raise MediaError(where, "The URL must be either a HTTP, data or file URL.")
-
-
-def load_each_once(jobs: Sequence[tuple[K, str]], read: Callable[[K, str], T], workers: int = 8) -> dict[K, T]:
-    """Each distinct key of `jobs` ((key, where) in request order) read once, concurrently, named by the first
-    place it stands (decision 6: the same URL twice is fetched and decoded once)."""
-    first: dict[K, str] = {}
-    for key, where in jobs:
-        first.setdefault(key, where)
-    with ThreadPoolExecutor(max_workers=min(workers, max(1, len(first)))) as pool:
-        return dict(zip(first, pool.map(lambda key: read(key, first[key]), first)))

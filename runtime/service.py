@@ -17,7 +17,11 @@ from ..models.errors import DecisionError, ModelNotFound, NotSupported
 from ..models.questions import Question, parse_questions
 from ..models.request import DecisionRequest, parse_request
 from .artifact import Artifact
+from .deadline import Deadline
 from .engine import Engine, EngineOptions, Prepared
+from .media_allowance import MediaBudget
+from .media_encoder import LoadedMedia
+from .media_pool import MediaPool
 from .prompt import RenderedPrompt
 
 RESPONSE_OBJECT = "structured_decision"
@@ -46,7 +50,8 @@ class DecisionService:
 
     def __init__(self, artifact: Artifact, options: EngineOptions | None = None,
                  served_model_names: list[str] | None = None, media_limits: MediaLimits | None = None,
-                 aliases: tuple[str, ...] = DEFAULT_ALIASES):
+                 aliases: tuple[str, ...] = DEFAULT_ALIASES, media_workers: int = 8,
+                 media_budget: MediaBudget | None = None):
         options = options or EngineOptions()
         if options.max_model_len and options.max_model_len > artifact.max_model_len:
             raise ValueError(f"max_model_len={options.max_model_len} is more than the model's "
@@ -57,6 +62,7 @@ class DecisionService:
         self.aliases = aliases
         self.engine: Engine = artifact.entry.load_engine()(artifact, options)
         self.media_limits = media_limits or MediaLimits()
+        self.media_pool = MediaPool(media_workers, media_budget)
 
     @property
     def max_model_len(self) -> int:
@@ -92,9 +98,25 @@ class DecisionService:
         self.family.check_request(request, questions)
         return request, questions
 
-    def prepare(self, body: Any) -> Prepared:
+    def has_media(self, request: DecisionRequest) -> bool:
+        return self.engine.media is not None and bool(self.engine.media.jobs(request))
+
+    def load_media(self, request: DecisionRequest, deadline: Deadline | None = None) -> LoadedMedia[Any] | None:
+        """The request's media fetched, decoded and preprocessed in the media pool (the server awaits
+        `media_pool.load_async` instead, so no parsing thread waits on a fetch)."""
+        if not self.has_media(request):
+            return None
+        return self.media_pool.load(self.engine.media, request, deadline)
+
+    def prepare_loaded(self, request: DecisionRequest, questions: list[Question],
+                       media: LoadedMedia[Any] | None) -> Prepared:
+        """Prompts and labels on the loaded media; no graph has run."""
+        return self.engine.prepare(request, questions, media)
+
+    def prepare(self, body: Any, deadline: Deadline | None = None) -> Prepared:
         """Every check the request must pass, media read, prompts and labels ready; no graph has run."""
-        return self.engine.prepare(*self.validate(body))
+        request, questions = self.validate(body)
+        return self.prepare_loaded(request, questions, self.load_media(request, deadline))
 
     # -- prompts ----------------------------------------------------------------------------------------------
     def render(self, body: Any) -> list[RenderedPrompt]:

@@ -30,6 +30,9 @@ class GraphSession:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
+        # Without the CPU arena a run's memory goes back when it ends: with it, each new prompt length grew the
+        # arena, and two long d3 prompts held twice the attention budget (issue 11).
+        options.enable_cpu_mem_arena = False
         self.session = ort.InferenceSession(
             str(path), sess_options=options,
             providers=[(name, PROVIDER_OPTIONS[name]) if name in PROVIDER_OPTIONS else name for name in providers])

@@ -1,8 +1,11 @@
-"""The HTTP surface: `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /metrics` (spec 1, 5, 6; README).
+"""The HTTP surface: `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /ready`, `GET /metrics` (spec 1,
+5, 6; README).
 
-A request flows: auth -> body (size cap, zstd/gzip, JSON) -> admission (bounded running + queue, time limit,
-disconnect) -> `DecisionService.decide` in a worker thread -> JSON. Anything a client sends ends in a JSON 2xx/4xx;
-5xx means our bug (500) or a full server (503 + Retry-After).
+A request flows: auth -> body (size cap, zstd/gzip, JSON) and checks in the parsing pool -> media in the media
+pool (runtime/media_pool.py) -> prompts in the parsing pool -> admission (bounded running + queue) -> the graphs in
+a worker thread -> JSON. One deadline (--request-timeout) covers every step from the body's first byte; the
+request's client is watched throughout. Anything a client sends ends in a JSON 2xx/4xx; 5xx means our bug (500) or a full
+or late server (503 + Retry-After).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,16 +22,19 @@ import onnxruntime as ort
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..models.errors import DecisionError, SchemaError
+from ..runtime.deadline import Deadline
 from ..runtime.engine import Prepared
 from ..runtime.service import DecisionService
-from .admission import Admission, ClientGone
+from .admission import Admission, ClientGone, watch
 from .auth import Unauthorized, check_bearer
-from .body import NotJson, decode_content, parse_json, read_capped
+from .body import BodyTimeout, NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
 from .schema import ROUTE_DOCS, document_request_body
+from .parse_budget import ParseBudget
 
 log = logging.getLogger("systemone.server")
 
@@ -44,17 +51,28 @@ class ServerOptions:
     request_timeout_s: float = 60.0
     max_body_bytes: int = 64 << 20
     log_requests: bool = False
+    parse_workers: int = 4  # threads that decode bodies, check requests and tokenize (never wait on media)
+    max_parse_bytes: int = 64 << 20  # bodies being parsed and checked at once (server/parse_budget.py)
 
 
 def _is_json(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == JSON_MEDIA_TYPE
 
 
+def _seconds(deadline: Deadline) -> float | None:
+    remaining = deadline.remaining()
+    return None if remaining == float("inf") else remaining
+
+
 def create_app(service: DecisionService, options: ServerOptions | None = None) -> FastAPI:
     """The app for one loaded model."""
     options = options or ServerOptions()
-    app = FastAPI(title="systemone-onnx", version="0.1.0")
-    admission = Admission(options.max_concurrency, options.max_queue, options.request_timeout_s)
+    # With an API key the interactive docs are off (they would describe the API to anyone); /metrics needs the key.
+    docs = {} if options.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="systemone-onnx", version="0.1.0", **docs)
+    admission = Admission(options.max_concurrency, options.max_queue)
+    parsing = ThreadPoolExecutor(options.parse_workers, thread_name_prefix="systemone-parse")
+    parse_budget = ParseBudget(options.max_parse_bytes)
     metrics = Metrics()
     started = int(time.time())
     release_date = service.artifact.manifest.exported_at[:10]
@@ -75,9 +93,23 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def metrics_endpoint() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(admission.running, admission.queued),
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """503 while a new request could not be taken: every slot and queue place held, or every media worker
+        busy with more media waiting."""
+        pool = service.media_pool
+        media_full = pool.running >= pool.workers and pool.queued > 0
+        body = {"status": "busy" if admission.full or media_full else "ready", "running": admission.running,
+                "queued": admission.queued, "media_running": pool.running, "media_queued": pool.queued}
+        return JSONResponse(body, status_code=503 if admission.full or media_full else 200)
+
+    @app.get("/metrics", response_model=None)
+    async def metrics_endpoint(request: Request) -> PlainTextResponse | JSONResponse:
+        try:
+            check_bearer(request.headers.get("authorization"), options.api_key)
+        except Unauthorized as exc:
+            return unauthorized(exc)
+        return PlainTextResponse(metrics.render(admission.running, admission.queued, service.media_pool.running),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -111,9 +143,12 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             response = schema_error_response(exc)
         except DecisionError as exc:
             response = decision_error_response(exc)
-        except ClientGone:
+        except (ClientGone, ClientDisconnect) as exc:
+            # Not our error: the client left (mid-upload, or while waiting); counted, logged in one line.
             response = error_response(400, "Client disconnected", "BadRequestError")
             response.status_code = CLIENT_GONE_STATUS
+            if isinstance(exc, ClientDisconnect):
+                metrics.client_aborted_upload()
         if request_id:
             response.headers["X-Request-Id"] = request_id
         seconds = time.monotonic() - start
@@ -126,24 +161,48 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
         check_bearer(request.headers.get("authorization"), options.api_key)
         if not _is_json(request.headers.get("content-type")):
             raise NotJson(UNSUPPORTED_MEDIA_MESSAGE)
-        raw = await read_capped(request.stream(), request.headers.get("content-length"), options.max_body_bytes)
+        if "content-length" in request.headers and "transfer-encoding" in request.headers:
+            raise DecisionError("a request may not carry both Content-Length and Transfer-Encoding")
+        deadline = Deadline(options.request_timeout_s)
+        try:  # the body is under the request's deadline too: a client that drips its body is cut off
+            raw = await asyncio.wait_for(read_capped(request.stream(), request.headers.get("content-length"),
+                                                     options.max_body_bytes), _seconds(deadline))
+        except asyncio.TimeoutError:
+            raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s "
+                              "(--request-timeout)") from None
+        loop = asyncio.get_running_loop()
+        encoding = request.headers.get("content-encoding")
+        if encoding:  # inflated first (each at most the body cap), so the parse budget holds its real size
+            raw = await loop.run_in_executor(parsing, decode_content, raw, encoding, options.max_body_bytes)
 
-        def read_and_prepare(raw: bytes) -> Prepared:
-            body = parse_json(decode_content(raw, request.headers.get("content-encoding"), options.max_body_bytes))
+        def parse(raw: bytes):
+            body = parse_json(raw)
             if options.log_requests:
                 log.info("request %s body %s", request_id or "-", json.dumps(body, ensure_ascii=False)[:10000])
-            return service.prepare(body)
+            return service.validate(body)
 
-        # Every check runs here (media read, prompts and labels included), before the request takes a slot.
-        prepared = await asyncio.to_thread(read_and_prepare, raw)
-        run_options = ort.RunOptions()
+        async def prepare() -> Prepared:
+            # Every check runs here (media read, prompts and labels included), before the request takes a slot.
+            # Parsing threads never wait on media: the media pool's jobs are awaited on the event loop.
+            checked, questions = await loop.run_in_executor(parsing, parse, raw)
+            media = (await service.media_pool.load_async(service.engine.media, checked, deadline)
+                     if service.has_media(checked) else None)
+            deadline.check()
+            return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media)
 
-        def stop() -> None:
-            run_options.terminate = True
+        try:
+            with parse_budget.hold(len(raw)):
+                prepared = await watch(prepare(), deadline, request.is_disconnected)
+            run_options = ort.RunOptions()
 
-        return await admission.run(
-            lambda: asyncio.to_thread(service.answer, prepared, request_id, run_options),
-            request.is_disconnected, stop)
+            def stop() -> None:
+                run_options.terminate = True
+
+            return await admission.run(
+                lambda: asyncio.to_thread(service.answer, prepared, request_id, run_options),
+                deadline, request.is_disconnected, stop)
+        finally:
+            deadline.cancel()  # whatever still runs for this request stops
 
     document_request_body(app)
     app.state.admission = admission

@@ -12,11 +12,12 @@ class Unauthorized(Exception):
 
 
 def check_bearer(header: str | None, api_key: str | None) -> None:
-    """No key configured: the header is ignored. Otherwise it must be `Bearer <key>`."""
+    """No key configured: the header is ignored. Otherwise it must be `Bearer <key>` (the configured key without
+    surrounding whitespace, which a header value cannot carry)."""
     if api_key is None:
         return
     scheme, _, token = (header or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.strip().encode()):
         raise Unauthorized("missing or invalid API key: send Authorization: Bearer <key>")
 
 

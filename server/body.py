@@ -28,6 +28,10 @@ class BodyTooLarge(TooLarge):
         super().__init__(f"{what} is larger than this server's limit of {limit} bytes (--max-body-bytes)")
 
 
+class BodyTimeout(DecisionError):
+    """The client did not send its body within the request's deadline (408)."""
+
+
 class BodyEncoding(UnsupportedEncoding):
     def __init__(self, encoding: str):
         super().__init__(f"Content-Encoding {encoding!r} is not supported; use one of zstd, gzip, identity")
@@ -60,6 +64,9 @@ def _inflate_gzip(raw: bytes, limit: int) -> bytes:
         raise BodyTooLarge(limit, "decompressed request body")
     if not inflater.eof:
         raise DecisionError("gzip body is truncated")
+    if inflater.unused_data:
+        # A second member or trailing bytes: read as one body they would smuggle data past the first member.
+        raise DecisionError("gzip body has data after its end (a second member or trailing bytes)")
     return out
 
 

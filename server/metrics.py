@@ -17,6 +17,7 @@ class Metrics:
         self.latency_sum = 0.0
         self.input_tokens = 0
         self.questions = 0
+        self.aborted_uploads = 0
 
     def observe(self, status: int, seconds: float, input_tokens: int = 0, questions: int = 0) -> None:
         with self._lock:
@@ -29,7 +30,11 @@ class Metrics:
             self.input_tokens += input_tokens
             self.questions += questions
 
-    def render(self, running: int, queued: int) -> str:
+    def client_aborted_upload(self) -> None:
+        with self._lock:
+            self.aborted_uploads += 1
+
+    def render(self, running: int, queued: int, media_running: int = 0) -> str:
         with self._lock:
             lines = ["# HELP systemone_requests_total POST /v1/systemone requests by HTTP status.",
                      "# TYPE systemone_requests_total counter"]
@@ -48,5 +53,10 @@ class Metrics:
                       "# HELP systemone_input_tokens_total Prompt tokens read (usage.input_tokens).",
                       "# TYPE systemone_input_tokens_total counter", f"systemone_input_tokens_total {self.input_tokens}",
                       "# HELP systemone_questions_total Questions answered.",
-                      "# TYPE systemone_questions_total counter", f"systemone_questions_total {self.questions}"]
+                      "# TYPE systemone_questions_total counter", f"systemone_questions_total {self.questions}",
+                      "# HELP systemone_client_aborted_uploads_total Clients that went away while sending the body.",
+                      "# TYPE systemone_client_aborted_uploads_total counter",
+                      f"systemone_client_aborted_uploads_total {self.aborted_uploads}",
+                      "# HELP systemone_media_jobs_running Media inputs being fetched, decoded or preprocessed now.",
+                      "# TYPE systemone_media_jobs_running gauge", f"systemone_media_jobs_running {media_running}"]
         return "\n".join(lines) + "\n"

@@ -35,6 +35,7 @@ def _load_request(path: str) -> Any:
 
 def _service(args: argparse.Namespace):
     from .runtime.artifact import Artifact
+    from .runtime.media_allowance import MediaBudget
     from .runtime.media_fetch import FetchPolicy
     from .runtime.engine import EngineOptions
     from .runtime.service import DEFAULT_ALIASES, DecisionService, MediaLimits
@@ -42,11 +43,15 @@ def _service(args: argparse.Namespace):
     policy = FetchPolicy(
         allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
         allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
-        allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes)
+        allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes,
+        image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout)
     options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy)
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
                            media_limits=MediaLimits(args.limit_images, args.limit_videos),
-                           aliases=() if args.no_jev_latest_alias else DEFAULT_ALIASES)
+                           aliases=() if args.no_jev_latest_alias else DEFAULT_ALIASES,
+                           media_workers=args.media_workers,
+                           media_budget=MediaBudget(args.max_request_pixels, args.max_request_media_bytes,
+                                                    args.max_video_frame_pixels, args.max_jpeg_video_frames))
 
 
 def _print_error(exc: Exception) -> int:
@@ -79,21 +84,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .server.app import ServerOptions, create_app
     from .server.auth import is_loopback
+    from .server.connections import AcceptFailureFilter, guarded_protocol, raise_descriptor_limit
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = (args.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None
     if api_key is None and not is_loopback(args.host) and not args.allow_unauthenticated:
         print(f"refusing to serve on {args.host} without an API key: set --api-key (or {API_KEY_ENV}), bind a "
               "loopback address, or pass --allow-unauthenticated", file=sys.stderr)
         return 2
     options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                            log_requests=args.log_requests)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                            log_requests=args.log_requests, max_parse_bytes=args.max_parse_bytes)
+    # uvicorn's "trace" is below DEBUG and unknown to logging.basicConfig
+    level = 5 if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("asyncio").addFilter(AcceptFailureFilter())
+    # Connections stay below the descriptor limit (model files, media sockets and logs need some too).
+    max_connections = min(args.max_connections, max(16, raise_descriptor_limit() - 256))
     service = _service(args)
     app = create_app(service, options)
     _print_summary(service, args)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.request_timeout) + 5)
+                timeout_graceful_shutdown=int(args.request_timeout) + 5,
+                http=guarded_protocol(args.header_timeout, max_connections), limit_concurrency=max_connections,
+                timeout_keep_alive=5)
     return 0
 
 
@@ -199,6 +212,17 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--max-media-bytes", type=int, default=256 << 20, help="largest media download (413 over)")
     media.add_argument("--limit-images", type=int, default=16, help="most images per request")
     media.add_argument("--limit-videos", type=int, default=4, help="most videos per request")
+    media.add_argument("--image-fetch-timeout", type=float, default=5.0,
+                       help="seconds a whole image fetch may take (connect, headers, body; 422 after)")
+    media.add_argument("--video-fetch-timeout", type=float, default=30.0, help="the same for a video")
+    media.add_argument("--media-workers", type=int, default=8,
+                       help="threads that fetch, decode and preprocess media, shared by all requests")
+    media.add_argument("--max-request-pixels", type=int, default=70_000_000,
+                       help="decoded pixels of one request's images and sampled video frames, from their headers")
+    media.add_argument("--max-request-media-bytes", type=int, default=256 << 20,
+                       help="bytes one request's media URLs may download in all")
+    media.add_argument("--max-video-frame-pixels", type=int, default=3840 * 2160, help="largest video frame")
+    media.add_argument("--max-jpeg-video-frames", type=int, default=64, help="most frames of a data:video/jpeg")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -254,8 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
                        help="largest request body, compressed or decompressed (413 over it)")
     serve.add_argument("--log-requests", action="store_true", help="log request bodies (they hold the state)")
-    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                       help="server log level")
+    serve.add_argument("--max-parse-bytes", type=int, default=64 << 20,
+                       help="bytes of request bodies parsed and checked at once (503 + Retry-After past it)")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection may take to send a request's headers (then it is closed)")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections; more are closed at once (and kept below the descriptor limit)")
+    serve.add_argument("--log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug", "trace"), help="server log level")
     serve.set_defaults(func=cmd_serve)
 
     doctor = sub.add_parser("doctor", help="what this machine can run: onnxruntime, providers, GPU, CUDA "

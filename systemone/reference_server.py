@@ -33,9 +33,10 @@ class TorchEngine(Engine):
         self.max_model_len = inner.max_model_len
         self.session = inner.session
         self.unsupported = inner.unsupported
+        self.media = inner.media
 
-    def prepare(self, request: Any, questions: list[Any]) -> Prepared:
-        return self.inner.prepare(request, questions)
+    def prepare(self, request: Any, questions: list[Any], media: Any = None) -> Prepared:
+        return self.inner.prepare(request, questions, media)
 
     def run(self, prepared: Prepared, run_options: Any = None) -> list[Readout]:
         if self.family.name == "d3":

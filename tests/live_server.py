@@ -20,11 +20,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(service: DecisionService, options: ServerOptions | None = None):
+def live_server(service: DecisionService, options: ServerOptions | None = None, **uvicorn_options):
     """Yield the base URL of a server answering with `service`; stop it (gracefully) on exit."""
     port = free_port()
     config = uvicorn.Config(create_app(service, options), host="127.0.0.1", port=port, log_level="warning",
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=30, **uvicorn_options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

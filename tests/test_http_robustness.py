@@ -260,3 +260,20 @@ def test_metrics_are_prometheus_text(url):
     text = httpx.get(url + "/metrics").text
     assert 'systemone_requests_total{status="200"}' in text and 'systemone_requests_total{status="422"}' in text
     assert "# TYPE systemone_request_seconds histogram" in text and "systemone_input_tokens_total" in text
+
+
+def test_a_client_that_aborts_its_upload_is_counted_not_logged_as_an_error(d3_service, caplog):
+    import socket
+
+    with live_server(d3_service) as base:
+        port = int(base.rsplit(":", 1)[1])
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100000\r\n\r\n{\"state\": \"")
+                time.sleep(0.2)
+        time.sleep(0.5)
+        metrics = httpx.get(base + "/metrics").text
+    assert "systemone_client_aborted_uploads_total 2" in metrics
+    assert 'systemone_requests_total{status="499"} 2' in metrics
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -113,3 +113,38 @@ def test_giant_dimensions_are_refused_before_decoding():
            + chunk(b"IDAT", zlib.compress(b"\x00" * 100)) + chunk(b"IEND", b""))
     with pytest.raises(MediaError, match="Image dimensions 30000x30000 .* exceed the maximum of 178956970 pixels"):
         decode_image(png, "images[0]")
+
+
+# -- hostile URLs and paths (issue 11): each a 4xx naming its place, never a 500 --------------------------------
+@pytest.mark.parametrize("url", ["http://[::1", "http://[zz]/", "http://[::1/a.png", "https://host:99999/a.png",
+                                 "http://host:port/a.png"])
+def test_malformed_hosts_and_ports_are_400(url):
+    assert "Invalid URL" in refused(url)
+
+
+@pytest.mark.parametrize("location", ["http://[::1", "http://[zz]/"])
+def test_a_redirect_to_a_malformed_url_is_400(location):
+    server = CountingServer({}, {"go": location})
+    with server.running():
+        assert "invalid url" in refused(f"{server.url}/go", FetchPolicy(allow_private_hosts=True)).lower()
+
+
+@pytest.mark.parametrize("name, message", [("a\x00.png", "NUL byte"), ("a" * 5000 + ".png", "cannot be read"),
+                                           ("[::1/", "Invalid URL")])
+def test_hostile_local_paths_are_400(tmp_path, name, message):
+    policy = FetchPolicy(allowed_local_path=tmp_path)
+    url = "file://[::1/" if name == "[::1/" else f"file://{tmp_path}/{name}"
+    assert message in refused(url, policy)
+
+
+@pytest.mark.parametrize("host", ["[::7f00:1]", "[::ffff:0:7f00:1]", "[2002:7f00:1::1]", "[64:ff9b::7f00:1]",
+                                  "[64:ff9b:1::a00:1]", "[::ffff:7f00:1]", "[2001:0:4136:e378:8000:63bf:80ff:fffe]",
+                                  "[fec0::1]", "[fed0::1]"])
+def test_ipv6_forms_that_embed_a_private_ipv4_and_site_local_are_refused(host):
+    """NAT64, 6to4, Teredo, IPv4-compatible and -translated addresses reach the IPv4 address they carry."""
+    assert "non-public address" in refused(f"http://{host}/x.png")
+
+
+def test_ipv6_forms_that_embed_a_public_ipv4_are_judged_by_it():
+    assert media_fetch._public("64:ff9b::808:808") and media_fetch._public("2002:808:808::1")
+    assert media_fetch._public("2606:4700:4700::1111")

@@ -86,7 +86,14 @@ class D1Engine(Engine):
         return None
 
     # -- prompts (spec 3.3, 3.4, 3.8, 3.9, 3.5) --------------------------------------------------------------
-    def _check_length(self, question: Question, text: str, ids: list[int], expanded: int) -> None:
+    def _check_text_length(self, question: Question, text: str) -> None:
+        """Spec 3.9's first two rules on the first prompt alone, before any other is rendered or tokenized: every
+        prompt holds the state, so a state too long for the model costs one copy and one tokenization, not one
+        per question."""
+        self._check_characters(text)
+        self._check_tokens(len(self.tokenizer.encode(text)))
+
+    def _check_characters(self, text: str) -> None:
         m = self.max_model_len
         if len(text) > m * self.max_chars_per_token:
             raise DecisionError(
@@ -94,13 +101,22 @@ class D1Engine(Engine):
                 f"characters (more than {m * self.max_chars_per_token} characters, which is the upper bound for {m} "
                 f"input tokens). Please reduce the length of the input prompt. (parameter=input_text, "
                 f"value={len(text)})", param="input_text")
-        if len(ids) > m:
-            n = min(len(ids), m + 1)  # vLLM's tokenizer stops at max_model_len + 1
+
+    def _check_tokens(self, count: int) -> None:
+        m = self.max_model_len
+        if count > m:
+            n = min(count, m + 1)  # vLLM's tokenizer stops at max_model_len + 1
             at_least = "at least " if n == m + 1 else ""
             raise DecisionError(
                 f"This model's maximum context length is {m} tokens. However, your prompt contains {at_least}{n} "
                 "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
                 f"of the input prompt. (parameter=input_tokens, value={n})", param="input_tokens")
+
+    def _check_length(self, question: Question, text: str, ids: list[int], expanded: int) -> None:
+        """Spec 3.9: characters, then text tokens, then the prompt with its images expanded."""
+        self._check_characters(text)
+        self._check_tokens(len(ids))
+        m = self.max_model_len
         if expanded > m:
             raise DecisionError(
                 f"The decoder prompt (length {expanded}) is longer than the maximum model length of {m}. Make sure "
@@ -113,12 +129,13 @@ class D1Engine(Engine):
                 f"longer than the maximum model length of {m}. Make sure that `max_model_len` is no smaller than "
                 "the number of text tokens (prompt + requested output tokens).")
 
-    def prepare(self, request: DecisionRequest, questions: list[Question]) -> Prepared:
-        """Images read, then every prompt rendered, tokenized and checked, then every question's labels."""
-        images = self.media.load(request) if request.images else None
+    def prepare(self, request: DecisionRequest, questions: list[Question],
+                images: LoadedMedia[Lfm2Image] | None = None) -> Prepared:
+        """On the images read (media pool), every prompt rendered, tokenized and checked, then every question's
+        labels."""
         placeholders = ([self.tokenizer.encode(placeholder_text(image)) for image in images.in_order()]
                         if images is not None else [])
-        texts = render_texts(self.artifact.template, self.family, request, questions)
+        texts = render_texts(self.artifact.template, self.family, request, questions, self._check_text_length)
         prompts = []
         count = len(request.images or ())
         for question, text, ids in zip(questions, texts, self.tokenizer.encode_batch(texts)):

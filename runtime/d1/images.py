@@ -14,6 +14,8 @@ from PIL import Image
 from ...models.errors import DecisionError
 from ...models.request import DecisionRequest
 from ..batch import MediaRows
+from ..deadline import Deadline
+from ..media_allowance import MediaAllowance
 from ..media_decode import decode_image
 from ..media_encoder import MediaEncoder
 from ..media_fetch import FetchPolicy, fetch
@@ -41,8 +43,9 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
     def jobs(self, request: DecisionRequest) -> list[tuple[Hashable, str]]:
         return [(url, f"images[{i}]") for i, url in enumerate(request.images or ())]
 
-    def load_one(self, key: Hashable, where: str) -> Lfm2Image:
-        rgb = decode_image(fetch(str(key), where, "image", self.policy), where)
+    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance) -> Lfm2Image:
+        data = fetch(str(key), where, "image", self.policy, deadline, allowance)
+        rgb = decode_image(data, where, allowance=allowance)
         capped = np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)
         try:
             return lfm2_image(capped, self.config)

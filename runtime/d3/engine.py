@@ -46,14 +46,33 @@ class D3Engine(Engine):
         self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]))
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads)
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
+        self.max_chars_per_token = artifact.tokenizer.max_token_chars()
 
-    def prepare(self, request: DecisionRequest, questions: list[Question]) -> Prepared:
-        media = self.media.load(request) if request.modalities() else None
-        texts = render_texts(self.artifact.template, self.family, request, questions)
+    def _check_tokens(self, question: Question, n: int) -> None:
+        if n > self.max_model_len:
+            raise DecisionError(f"question {question.id!r}: the prompt has {n} tokens, more than "
+                                f"max_model_len={self.max_model_len}; nothing is truncated")
+
+    def _check_characters(self, question: Question, text: str) -> None:
+        """A prompt with more characters than max_model_len tokens can hold (each token is at most the longest
+        vocabulary entry) is refused before it is tokenized: tokenizing megabytes costs seconds and gigabytes."""
+        most = self.max_model_len * self.max_chars_per_token
+        if len(text) > most:
+            raise DecisionError(f"question {question.id!r}: the prompt has {len(text)} characters, more than the "
+                                f"{most} that max_model_len={self.max_model_len} tokens can hold; nothing is "
+                                "truncated")
+
+    def prepare(self, request: DecisionRequest, questions: list[Question],
+                media: LoadedMedia[Preprocessed] | None = None) -> Prepared:
+        texts = render_texts(self.artifact.template, self.family, request, questions, self._check_characters)
         tokenizer = self.artifact.tokenizer
+        # The first prompt is tokenized and checked alone: every prompt holds the state, so one too long for the
+        # model is refused before the others are tokenized (spec 4.12 names the first question that fails).
         if media is None:
+            first = tokenizer.encode(texts[0])
+            self._check_tokens(questions[0], len(first))
             prompts = [RenderedPrompt(q, t, ids, text_positions(len(ids)))
-                       for q, t, ids in zip(questions, texts, tokenizer.encode_batch(texts))]
+                       for q, t, ids in zip(questions, texts, [first, *tokenizer.encode_batch(texts[1:])])]
             prepared_media = None
         else:
             # Spec 4.8: the first prompt is split after its last <|vision_end|>; that media prefix, tokenized
@@ -63,16 +82,16 @@ class D3Engine(Engine):
                 raise DecisionError("the questions' prompts do not share their media")
             layouts = [self.media.layout(item) for item in media.in_order()]
             prefix = expand_media(tokenizer.encode(texts[0][:split]), layouts, tokenizer.encode, tokenizer.token_id)
+            first = tokenizer.encode(texts[0][split:])
+            self._check_tokens(questions[0], len(prefix.ids) + len(first))
+            tails = [first, *tokenizer.encode_batch([t[split:] for t in texts[1:]])]
             prompts = []
-            for question, text, tail in zip(questions, texts, tokenizer.encode_batch([t[split:] for t in texts])):
+            for question, text, tail in zip(questions, texts, tails):
                 ids = prefix.ids + tail
                 prompts.append(RenderedPrompt(question, text, ids, mrope_positions(len(ids), prefix.segments)))
             prepared_media = D3Media(media, prefix.media_positions)
         for prompt in prompts:
-            n = len(prompt.token_ids)
-            if n > self.max_model_len:
-                raise DecisionError(f"question {prompt.question.id!r}: the prompt has {n} tokens, more than "
-                                    f"max_model_len={self.max_model_len}; nothing is truncated")
+            self._check_tokens(prompt.question, len(prompt.token_ids))
         labels = [self.family.labels(q, tokenizer.encode) for q in questions]
         return Prepared(request, questions, prompts, labels, prepared_media)
 

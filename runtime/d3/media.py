@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 
 from ...models.request import DecisionRequest
+from ..deadline import Deadline
 from ..image_transform import qwen_image
+from ..media_allowance import MediaAllowance
 from ..media_decode import decode_image
 from ..media_encoder import MediaEncoder
 from ..media_fetch import FetchPolicy, MediaError, fetch
@@ -52,12 +54,15 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
                                             for i, url in enumerate(request.images or ())]
         return jobs + [(("video", url), f"videos[{i}]") for i, url in enumerate(request.videos or ())]
 
-    def load_one(self, key: Hashable, where: str) -> Preprocessed:
+    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance) -> Preprocessed:
         kind, url = key  # type: ignore[misc]
-        return self._image(url, where) if kind == "image" else self._video(url, where)
+        if kind == "image":
+            return self._image(url, where, deadline, allowance)
+        return self._video(url, where, deadline, allowance)
 
-    def _image(self, url: str, where: str) -> Preprocessed:
-        rgb = decode_image(fetch(url, where, "image", self.policy), where)
+    def _image(self, url: str, where: str, deadline: Deadline, allowance: MediaAllowance) -> Preprocessed:
+        data = fetch(url, where, "image", self.policy, deadline, allowance)
+        rgb = decode_image(data, where, allowance=allowance)
         try:
             pixels, grid = qwen_image(rgb, self.patch, self.merge, self.temporal, self.mean, self.std,
                                       IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)
@@ -65,9 +70,10 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
             raise MediaError(where, f"Failed to apply Qwen2VLImageProcessor: {exc}") from None
         return Preprocessed("image", pixels, grid, ())
 
-    def _video(self, url: str, where: str) -> Preprocessed:
-        data = b"" if url[:16].lower().startswith("data:video/jpeg") else fetch(url, where, "video", self.policy)
-        video = decode_video(data, where, url)
+    def _video(self, url: str, where: str, deadline: Deadline, allowance: MediaAllowance) -> Preprocessed:
+        data = (b"" if url[:16].lower().startswith("data:video/jpeg")
+                else fetch(url, where, "video", self.policy, deadline, allowance))
+        video = decode_video(data, where, url, allowance)
         try:
             pixels, grid = qwen_video(video.frames, self.patch, self.merge, self.temporal, self.mean, self.std)
         except ValueError as exc:

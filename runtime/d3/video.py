@@ -18,7 +18,8 @@ import numpy as np
 
 from ..image_transform import normalize, patchify, resize_bicubic
 from ..media_decode import MAX_IMAGE_PIXELS, decode_image
-from ..media_fetch import MediaError
+from ..media_allowance import MediaAllowance, MediaBudget
+from ..media_fetch import MediaError, MediaTooLarge
 
 SAMPLE_FPS = 2
 MIN_FRAMES, MAX_FRAMES = 4, 32
@@ -43,24 +44,33 @@ def sample_indices(total: int, fps: float) -> np.ndarray:
     return np.linspace(0, total - 1, n).round().astype(int)
 
 
-def _jpeg_frames(url: str, where: str) -> SampledVideo:
-    """`data:video/jpeg;base64,<jpeg>,<jpeg>,...`: every JPEG a frame, fps 2, no sampling (spec 4.10 step 2)."""
+def _jpeg_frames(url: str, where: str, allowance: MediaAllowance) -> SampledVideo:
+    """`data:video/jpeg;base64,<jpeg>,<jpeg>,...`: every JPEG a frame, fps 2, no sampling (spec 4.10 step 2);
+    at most `jpeg_video_frames` of them, each taken from the request's pixel budget."""
+    parts = url.split(",")[1:]
+    most = allowance.budget.jpeg_video_frames
+    if len(parts) > most:
+        raise MediaTooLarge(where, f"a JPEG-frame video has {len(parts)} frames, more than the {most} this server "
+                                   "reads (--max-jpeg-video-frames)")
     frames = []
-    for index, part in enumerate(url.split(",")[1:]):
+    for index, part in enumerate(parts):
         try:
             data = base64.b64decode(part, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise MediaError(where, f"invalid base64 in video frame {index}: {exc}") from None
-        frames.append(decode_image(data, f"{where}: frame {index}"))
+        frames.append(decode_image(data, f"{where}: frame {index}", allowance=allowance))
     if not frames or any(f.shape != frames[0].shape for f in frames):
         raise MediaError(where, "a JPEG-frame video needs at least one frame, all of one size")
     return SampledVideo(np.stack(frames), tuple(range(len(frames))), float(SAMPLE_FPS))
 
 
-def decode_video(data: bytes, where: str, url: str = "") -> SampledVideo:
-    """Video bytes -> the sampled RGB frames, their source indices and the source fps."""
+def decode_video(data: bytes, where: str, url: str = "", allowance: MediaAllowance | None = None) -> SampledVideo:
+    """Video bytes -> the sampled RGB frames, their source indices and the source fps. The frame size (at most
+    `video_frame_pixels`) and the sampled frames' pixels (from the request's budget) are checked from the
+    container before a frame is decoded; only sampled frames are kept."""
+    allowance = allowance or MediaAllowance(MediaBudget())
     if url[:16].lower().startswith("data:video/jpeg"):
-        return _jpeg_frames(url, where)
+        return _jpeg_frames(url, where, allowance)
     import cv2
 
     with tempfile.NamedTemporaryFile(suffix=".video", delete=False) as f:
@@ -76,9 +86,15 @@ def decode_video(data: bytes, where: str, url: str = "") -> SampledVideo:
         if width * height > MAX_IMAGE_PIXELS:
             raise MediaError(where, f"Video frame dimensions {width}x{height} ({width * height} pixels) exceed the "
                                     f"maximum of {MAX_IMAGE_PIXELS} pixels.")
+        if width * height > allowance.budget.video_frame_pixels:
+            raise MediaTooLarge(where, f"Video frame dimensions {width}x{height} ({width * height:,} pixels) exceed "
+                                       f"the {allowance.budget.video_frame_pixels:,}-pixel limit of a video frame "
+                                       "(--max-video-frame-pixels)")
         if total <= 0:
             raise MediaError(where, "Could not open video stream: it has no frames")
         wanted = set(sample_indices(total, fps).tolist())
+        allowance.take_pixels(width * height * len(wanted), where,
+                              f"{len(wanted)} sampled frames of {width}x{height}")
         frames, kept = [], []
         for index in range(total):
             if not capture.grab():

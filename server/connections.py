@@ -1,0 +1,88 @@
+"""Connection guards uvicorn does not have: a deadline for a request's headers, a cap on open connections, and
+one log line (not one per accept) when the process runs out of file descriptors.
+
+uvicorn's own limits are used where they suffice (README "Bounds"): `limit_concurrency` answers 503 once that many
+connections or tasks are open, `timeout_keep_alive` closes idle keep-alive connections, and h11's
+`max_incomplete_event_size` caps a request's header bytes. None of them closes a connection that sends its headers
+a byte at a time, or refuses connections past a count before their headers arrive, so the protocol class below does.
+The body is under the request's own deadline (server/app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+ACCEPT_FAILURE = "socket.accept() out of system resource"
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing connections whose next request's headers take longer than
+    `header_timeout_s` (from connect, or from the previous response) and connections past `max_connections`."""
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.abort()  # past the cap: closed before a byte is read, nothing logged
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            waiting_after = self.cycle
+            self._header_timer = self.loop.call_later(header_timeout_s, self._expire, waiting_after)
+
+        def _expire(self, waiting_after: object) -> None:
+            if self.cycle is waiting_after and not self.transport.is_closing():
+                self.transport.abort()  # no new request's headers arrived in time
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+class AcceptFailureFilter(logging.Filter):
+    """asyncio logs every failed accept() with a traceback; out of descriptors that is a flood. One line in
+    `every_s` seconds, counting the ones left out."""
+
+    def __init__(self, every_s: float = 10.0):
+        super().__init__()
+        self.every_s = every_s
+        self._last = -float("inf")
+        self._dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if ACCEPT_FAILURE not in str(record.msg):
+            return True
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._dropped += 1
+            return False
+        record.msg = f"{ACCEPT_FAILURE} (file descriptors exhausted; {self._dropped} more since the last line)"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        self._last, self._dropped = now, 0
+        return True
+
+
+def raise_descriptor_limit() -> int:
+    """The soft open-file limit raised to the hard one; returns it (the connection cap should stay below)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft

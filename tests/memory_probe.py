@@ -1,0 +1,60 @@
+"""Run as `python -m tests.memory_probe ARTIFACT BODY.json LIMIT_MB [ATTENTION_BUDGET]`: load the artifact, prepare the request (media
+fetched, decoded and preprocessed; prompts tokenized) and, when it is accepted, answer it; print one JSON line with
+the outcome, the seconds and the peak RSS increase over the loaded server's. RSS is sampled every 5 ms and the
+process ends itself (exit 3) past LIMIT_MB, so a test of a memory bomb cannot take the machine down."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def main(artifact: str, body_path: str, limit_mb: float, attention_budget: int | None = None) -> None:
+    from systemone.models.errors import DecisionError
+    from systemone.runtime.artifact import Artifact
+    from systemone.runtime.engine import EngineOptions
+    from systemone.runtime.media_fetch import FetchPolicy
+    from systemone.runtime.service import DecisionService
+    from systemone.server.errors import http_status
+
+    options = EngineOptions(device="cpu", fetch_policy=FetchPolicy(allowed_local_path=Path(body_path).parent),
+                            **({"attention_budget": attention_budget} if attention_budget else {}))
+    service = DecisionService(Artifact.load(artifact), options)
+    body = json.loads(Path(body_path).read_text())
+    service.decide({"state": "warm", "questions": {"q": {"type": "noul", "instructions": "ok?"}}})
+    base = rss_mb()
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], rss_mb())
+            if peak[0] - base > limit_mb:
+                print(json.dumps({"killed": True, "peak_increase_mb": peak[0] - base}), flush=True)
+                os._exit(3)
+
+    threading.Thread(target=sample, daemon=True).start()
+    start = time.monotonic()
+    try:
+        service.decide(body)
+        outcome = {"status": 200}
+    except DecisionError as exc:
+        outcome = {"status": http_status(exc)[0], "message": exc.message}
+    outcome["seconds"] = time.monotonic() - start
+    done.set()
+    peak[0] = max(peak[0], rss_mb())
+    outcome["peak_increase_mb"] = peak[0] - base
+    print(json.dumps(outcome), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)

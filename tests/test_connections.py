@@ -1,0 +1,141 @@
+"""Connections and bodies under hostile clients (issue 11 findings 6, 7, 12): a deadline for headers and for the
+body, a connection cap, parsing admitted under a byte budget, and the smaller holes of finding 12."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from systemone.server.app import ServerOptions
+from systemone.server.connections import guarded_protocol
+from tests.live_server import free_port, live_server
+
+NOUL = {"type": "noul", "instructions": "Is it urgent?"}
+GOOD = json.dumps({"state": "x", "questions": {"q": NOUL}}).encode()
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def port_of(base: str) -> int:
+    return int(base.rsplit(":", 1)[1])
+
+
+def closed_by_server_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_headers_sent_a_byte_at_a_time_are_cut_off(d3_service):
+    with live_server(d3_service, http=guarded_protocol(1.0, 100)) as base:
+        with socket.create_connection(("127.0.0.1", port_of(base))) as s:
+            start = time.monotonic()
+            s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n")
+            assert closed_by_server_within(s, 5)
+            assert time.monotonic() - start < 4
+        assert httpx.get(base + "/health").status_code == 200
+
+
+def test_connections_past_the_cap_are_closed_at_once(d3_service):
+    with live_server(d3_service, http=guarded_protocol(30.0, 8)) as base:
+        sockets = [socket.create_connection(("127.0.0.1", port_of(base))) for _ in range(20)]
+        try:
+            closed = sum(closed_by_server_within(s, 0.5) for s in sockets)
+        finally:
+            for s in sockets:
+                s.close()
+        time.sleep(0.3)
+        assert closed >= 12
+        assert httpx.get(base + "/health").status_code == 200
+
+
+def test_a_body_sent_too_slowly_is_408(d3_service):
+    with live_server(d3_service, ServerOptions(request_timeout_s=1.0)) as base:
+        with socket.create_connection(("127.0.0.1", port_of(base))) as s:
+            s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"state\": ")
+            s.settimeout(5)
+            start = time.monotonic()
+            head = s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 4, head[:200]
+
+
+def test_concurrent_large_bodies_are_admitted_under_the_parse_budget(d3_service):
+    big = json.dumps({"state": [0] * 6_000_000, "questions": {"q": NOUL}}).encode()  # 18 MB
+    options = ServerOptions(max_body_bytes=32 << 20, max_parse_bytes=24 << 20, request_timeout_s=120)
+    with live_server(d3_service, options) as base:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+                return await asyncio.gather(*[client.post("/v1/systemone", content=big, headers=JSON_HEADERS)
+                                              for _ in range(4)])
+
+        answers = asyncio.run(scenario())
+    statuses = sorted(r.status_code for r in answers)
+    assert 503 in statuses and set(statuses) <= {400, 503}, statuses
+    busy = next(r for r in answers if r.status_code == 503)
+    assert "--max-parse-bytes" in busy.json()["error"]["message"] and busy.headers["Retry-After"] == "1"
+
+
+def test_an_api_key_with_surrounding_whitespace_matches_and_guards_metrics_and_docs(d3_service):
+    with live_server(d3_service, ServerOptions(api_key="secret \n")) as base:
+        good = httpx.post(base + "/v1/systemone", content=GOOD,
+                          headers={**JSON_HEADERS, "Authorization": "Bearer secret"})
+        metrics = httpx.get(base + "/metrics")
+        keyed = httpx.get(base + "/metrics", headers={"Authorization": "Bearer secret"})
+        docs, openapi = httpx.get(base + "/docs"), httpx.get(base + "/openapi.json")
+        health = httpx.get(base + "/health")
+    assert good.status_code == 200
+    assert metrics.status_code == 401 and keyed.status_code == 200
+    assert docs.status_code == 404 and openapi.status_code == 404 and health.status_code == 200
+
+
+def test_content_length_with_chunked_is_refused(d3_service):
+    with live_server(d3_service) as base:
+        with socket.create_connection(("127.0.0.1", port_of(base))) as s:
+            body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(GOOD), GOOD)
+            s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+            s.settimeout(30)
+            head = s.recv(65536)
+    assert head.startswith(b"HTTP/1.1 400"), head[:200]
+
+
+def test_gzip_bodies_with_trailing_data_are_400(d3_service):
+    with live_server(d3_service) as base:
+        for content in (gzip.compress(GOOD) + b"garbage", gzip.compress(GOOD) + gzip.compress(b" ")):
+            response = httpx.post(base + "/v1/systemone", content=content,
+                                  headers={**JSON_HEADERS, "Content-Encoding": "gzip"})
+            assert response.status_code == 400 and "after its end" in response.json()["error"]["message"]
+
+
+def test_log_level_trace_serves(d3_artifact):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu",
+                               "--port", str(port), "--log-level", "trace"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        assert server.poll() is None, server.stderr.read().decode()[-2000:]
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,0 +1,93 @@
+"""Memory bounded per request (issue 11 findings 2, 5, 11; README "Bounds"): image bombs are refused from their
+headers before a pixel is decoded, or decoded within the request's pixel budget; video frames are bounded in size
+and number. Each bomb runs in a subprocess whose RSS is sampled and capped, so a failure cannot take the machine
+down."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+NOUL = {"q": {"type": "noul", "instructions": "Is it urgent?"}}
+LIMIT_MB = 1500  # the probe ends itself past this; the README's bound is 1 GB a request
+BOMB_SIDE = 13_000  # 169 megapixels: under vLLM's 178,956,970 per image, over the 70,000,000 of a request
+
+
+def saved(image: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def probe(artifact, tmp_path, body) -> dict:
+    path = tmp_path / "body.json"
+    path.write_text(json.dumps(body))
+    done = subprocess.run([sys.executable, "-m", "tests.memory_probe", str(artifact), str(path), str(LIMIT_MB)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip(), done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def as_url(tmp_path, name: str, data: bytes) -> str:
+    (tmp_path / name).write_bytes(data)
+    return f"file://{tmp_path / name}"
+
+
+@pytest.fixture(scope="module")
+def bombs(tmp_path_factory) -> dict[str, bytes]:
+    """Small files that decode to 169 (PNG, TIFF G4, GIF) and 100 (WebP, at its 16,383 limit: 10,000²) megapixels."""
+    one_bit = Image.new("1", (BOMB_SIDE, BOMB_SIDE))
+    out = {"bomb.png": saved(one_bit, "PNG"), "bomb.tiff": saved(one_bit, "TIFF", compression="group4")}
+    del one_bit
+    out["bomb.gif"] = saved(Image.new("P", (BOMB_SIDE, BOMB_SIDE)), "GIF")
+    out["bomb.webp"] = saved(Image.new("L", (10_000, 10_000)), "WEBP", lossless=True)
+    return out
+
+
+@pytest.mark.parametrize("name", ["bomb.png", "bomb.tiff", "bomb.gif", "bomb.webp"])
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_an_image_bomb_is_refused_from_its_header(request, tmp_path, bombs, name, family):
+    artifact = request.getfixturevalue(f"{family}_artifact")
+    assert len(bombs[name]) < 2 << 20
+    out = probe(artifact, tmp_path, {"state": "x", "images": [as_url(tmp_path, name, bombs[name])],
+                                     "questions": NOUL})
+    assert out.get("status") == 413, out
+    assert "images[0]" in out["message"] and "--max-request-pixels" in out["message"]
+    assert out["seconds"] < 1.0 and out["peak_increase_mb"] < 100, out
+
+
+def test_images_within_the_per_image_limit_share_one_request_budget(d3_artifact, tmp_path):
+    """Four distinct 8,000 x 8,000 PNGs (64 megapixels each): one fits the request's budget, the next does not;
+    the request's peak stays under the README's 1 GB."""
+    urls = [as_url(tmp_path, f"big{i}.png", saved(Image.new("1", (8000, 8000), i % 2), "PNG")) for i in range(4)]
+    out = probe(d3_artifact, tmp_path, {"state": "x", "images": urls, "questions": NOUL})
+    assert out.get("status") == 413 and "--max-request-pixels" in out["message"], out
+    assert out["peak_increase_mb"] < 1024, out
+
+
+def test_a_huge_video_frame_is_refused_from_the_container(d3_artifact, tmp_path):
+    import cv2
+    import numpy as np
+
+    path = tmp_path / "huge.avi"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 2, (4000, 4000))
+    for i in range(8):
+        writer.write(np.full((4000, 4000, 3), i * 20, np.uint8))
+    writer.release()
+    out = probe(d3_artifact, tmp_path, {"state": "x", "videos": [f"file://{path}"], "questions": NOUL})
+    assert out.get("status") == 413 and "--max-video-frame-pixels" in out["message"], out
+    assert out["seconds"] < 1.0, out
+
+
+def test_a_jpeg_frame_video_has_a_bounded_number_of_frames(d3_artifact, tmp_path):
+    frame = base64.b64encode(saved(Image.new("RGB", (64, 64), (10, 20, 30)), "JPEG")).decode()
+    url = "data:video/jpeg;base64," + ",".join([frame] * 800)
+    out = probe(d3_artifact, tmp_path, {"state": "x", "videos": [url], "questions": NOUL})
+    assert out.get("status") == 413 and "800 frames" in out["message"] and "--max-jpeg-video-frames" in out["message"]
+    assert out["seconds"] < 1.0, out

@@ -1,0 +1,41 @@
+"""A state too long for the model is refused before any per-question work (spec 3.9, 4.12; issue 11): the first
+question's prompt is checked (characters, then tokens) before the others are rendered or tokenized, so the cost of
+a refusal does not grow with the number of questions."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from systemone.models.errors import DecisionError
+
+QUESTIONS = {f"q{i}": {"type": "noul", "instructions": f"Is it urgent? ({i})"} for i in range(64)}
+
+
+def refused_within(service, body, seconds):
+    start = time.monotonic()
+    with pytest.raises(DecisionError) as info:
+        service.prepare(body)
+    took = time.monotonic() - start
+    assert took < seconds, f"refused after {took:.1f} s"
+    return info.value.message
+
+
+def test_d3_a_state_over_the_character_bound_is_refused_before_tokenizing(d3_service):
+    most = d3_service.max_model_len * d3_service.engine.max_chars_per_token
+    message = refused_within(d3_service, {"state": "word " * (most // 5 + 1000), "questions": QUESTIONS}, 3)
+    assert message.startswith("question 'q0': the prompt has ") and f"more than the {most}" in message
+
+
+def test_d3_a_state_over_the_token_limit_is_refused_after_one_question(d3_service):
+    """About 100,000 tokens of state under the character bound: 64 tokenizations of it took 20 s and more."""
+    state = " ".join(f"w{i}" for i in range(50_000))
+    message = refused_within(d3_service, {"state": state, "questions": QUESTIONS}, 3)
+    assert message.startswith("question 'q0': the prompt has ") and "max_model_len=" in message
+
+
+def test_d1_a_state_over_the_limits_is_refused_after_one_question(d1_service):
+    state = " ".join(f"w{i}" for i in range(100_000))
+    message = refused_within(d1_service, {"state": state, "questions": QUESTIONS}, 3)
+    assert "input tokens, which exceeds this limit" in message or "characters (more than" in message
