@@ -86,12 +86,6 @@ class D1Engine(Engine):
         return None
 
     # -- prompts (spec 3.3, 3.4, 3.8, 3.9, 3.5) --------------------------------------------------------------
-    def _check_text_length(self, question: Question, text: str) -> None:
-        """Spec 3.9's first two rules on the first prompt alone, before any other is rendered or tokenized: every
-        prompt holds the state, so a state too long for the model costs one copy and one tokenization, not one
-        per question."""
-        self._check_characters(text)
-        self._check_tokens(len(self.tokenizer.encode(text)))
 
     def _check_characters(self, text: str) -> None:
         m = self.max_model_len
@@ -135,10 +129,19 @@ class D1Engine(Engine):
         labels."""
         placeholders = ([self.tokenizer.encode(placeholder_text(image)) for image in images.in_order()]
                         if images is not None else [])
-        texts = render_texts(self.artifact.template, self.family, request, questions, self._check_text_length)
+        first: list[int] = []
+
+        def check_first(question: Question, text: str) -> None:
+            # Spec 3.9's first two rules on the first prompt alone, before any other is rendered or tokenized:
+            # every prompt holds the state, so a state too long for the model costs one copy and one tokenization.
+            self._check_characters(text)
+            first.extend(self.tokenizer.encode(text))
+            self._check_tokens(len(first))
+
+        texts = render_texts(self.artifact.template, self.family, request, questions, check_first)
         prompts = []
         count = len(request.images or ())
-        for question, text, ids in zip(questions, texts, self.tokenizer.encode_batch(texts)):
+        for question, text, ids in zip(questions, texts, [first, *self.tokenizer.encode_batch(texts[1:])]):
             found = ids.count(self.image_token_id)
             if found != count:
                 # Spec 8 Q7: `<image>` written in the state, instructions or options would take an image's place.
