@@ -14,7 +14,7 @@ import numpy as np
 
 
 # The whole graph run's peak over its attention scores and probabilities, measured on the tiny d3 model at its
-# longest prompt (issue 11: 4,390 MB of RSS for 4,092 MiB of scores, 1.07x), with room to spare.
+# longest prompt (4,390 MB of RSS for 4,092 MiB of scores, 1.07x), with room to spare.
 PEAK_OVER_SCORES = 1.125
 
 

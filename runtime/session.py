@@ -31,7 +31,7 @@ class GraphSession:
         if threads:
             options.intra_op_num_threads = threads
         # Without the CPU arena a run's memory goes back when it ends: with it, each new prompt length grew the
-        # arena, and two long d3 prompts held twice the attention budget (issue 11).
+        # arena, and two long d3 prompts held twice the attention budget.
         options.enable_cpu_mem_arena = False
         self.session = ort.InferenceSession(
             str(path), sess_options=options,

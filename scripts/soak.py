@@ -1,6 +1,6 @@
-"""Soak test on loopback: `systemone serve` on an artifact, good requests mixed with every attack of issue 11, for
-a bounded time. Reports the server's RSS over time, status counts per kind of request (no 5xx expected: slow media
-end at their fetch deadline, 422) and the good requests' latency percentiles.
+"""Soak test on loopback: `systemone serve` on an artifact, good requests mixed with every hostile input the
+README's bounds cover, for a bounded time. Reports the server's RSS over time, status counts per kind of request
+(no 5xx expected: slow media end at their fetch deadline, 422) and the good requests' latency percentiles.
 
     python scripts/soak.py ARTIFACT [--minutes 20] [--attackers 3]
 

@@ -1,5 +1,5 @@
-"""Connections and bodies under hostile clients (issue 11 findings 6, 7, 12): a deadline for headers and for the
-body, a connection cap, parsing admitted under a byte budget, and the smaller holes of finding 12."""
+"""Connections and bodies under hostile clients: a deadline for headers and for the body, a connection cap,
+parsing admitted under a byte budget, and the smaller holes (auth on /metrics, key whitespace, framing, gzip)."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def test_giant_dimensions_are_refused_before_decoding():
         decode_image(png, "images[0]")
 
 
-# -- hostile URLs and paths (issue 11): each a 4xx naming its place, never a 500 --------------------------------
+# -- hostile URLs and paths: each a 4xx naming its place, never a 500 --------------------------------
 @pytest.mark.parametrize("url", ["http://[::1", "http://[zz]/", "http://[::1/a.png", "https://host:99999/a.png",
                                  "http://host:port/a.png"])
 def test_malformed_hosts_and_ports_are_400(url):

@@ -1,4 +1,4 @@
-"""Memory bounded per request (issue 11 findings 2, 5, 11; README "Bounds"): image bombs are refused from their
+"""Memory bounded per request (README, "Bounds under hostile load"): image bombs are refused from their
 headers before a pixel is decoded, or decoded within the request's pixel budget; video frames are bounded in size
 and number. Each bomb runs in a subprocess whose RSS is sampled and capped, so a failure cannot take the machine
 down."""

@@ -1,4 +1,4 @@
-"""A state too long for the model is refused before any per-question work (spec 3.9, 4.12; issue 11): the first
+"""A state too long for the model is refused before any per-question work (spec 3.9, 4.12): the first
 question's prompt is checked (characters, then tokens) before the others are rendered or tokenized, so the cost of
 a refusal does not grow with the number of questions."""
 
