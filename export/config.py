@@ -16,6 +16,16 @@ class ParityError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class AnswerTolerance:
+    """How far a half-precision form's answers may be from the torch fp32 model's (export/answer_gate.py)."""
+
+    max_dp: float = 0.02
+    median_dp: float = 0.003
+    pick_margin: float = 0.02  # picks must agree wherever the reference's top two are further apart than this
+    min_questions: int = 200
+
+
+@dataclass(frozen=True)
 class GraphSpec:
     """One graph to export: `axes` names the role of each dynamic input axis (checked symbolic after export);
     `dynamic_shapes` is torch.export's form of the same."""
@@ -54,8 +64,22 @@ class RuntimeFiles:
     model_fields: dict[str, Any]  # family fields the engine reads (shapes, vision settings)
 
 
+@dataclass(frozen=True)
+class HalfForm:
+    """A half-precision form export writes beside the portable fp32 graphs (docs/gpu.md, "The CUDA form"): the
+    graphs it rewrites, each with the outputs that stay fp32 (the readout), and the questions its answer gate
+    compares: `answer_pairs(service)` runs them through `service` (the runtime on this form) and the torch model."""
+
+    name: str
+    providers: tuple[str, ...]
+    graphs: dict[str, tuple[str, ...]]
+    answer_pairs: Callable[[Any], list[Any]]
+    tolerance: AnswerTolerance = AnswerTolerance()
+
+
 class ExportConfig(ABC):
     family: str
+    model: Any  # the torch reference (fp32)
 
     @abstractmethod
     def __init__(self, checkpoint: Path):
@@ -77,3 +101,16 @@ class ExportConfig(ABC):
     @abstractmethod
     def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
         """The parity gates, in order; the first is the text graph's, whose report is the artifact's."""
+
+    def forms(self) -> list[HalfForm]:
+        """The half-precision forms to write beside the portable graphs (none unless the family declares them)."""
+        return []
+
+    def reference_on(self, device: str) -> None:
+        """Move the torch reference to `device` (cpu, cuda), in fp32 without TF32 (its 10-bit mantissa is not a
+        reference)."""
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        self.model.to("cuda" if device == "cuda" else "cpu")

@@ -19,7 +19,9 @@ from typing import Any
 
 from ..models.registry import FAMILIES, FamilyRegistry
 from ..runtime.artifact import GraphEntry, Manifest
+from ..runtime.session import resolve_device
 from .config import ExportConfig, GraphSpec, ParityError
+from .forms import write_forms
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
 from .source import checkpoint_name, file_hashes, resolve_checkpoint
 
@@ -82,8 +84,10 @@ def _export_graph(spec: GraphSpec, staging: Path) -> Path:
 
 def export_checkpoint(source: str, out: str | Path, *, revision: str | None = None, atol: float = DEFAULT_ATOL,
                       prob_atol: float = DEFAULT_PROB_ATOL, lengths: Sequence[int] = PARITY_LENGTHS,
-                      overwrite: bool = False, seed: int = 0, families: FamilyRegistry = FAMILIES) -> Path:
-    """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`."""
+                      overwrite: bool = False, seed: int = 0, families: FamilyRegistry = FAMILIES,
+                      half_forms: bool = True, gate_device: str = "auto") -> Path:
+    """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`; the half-precision
+    forms' answer gates run on `gate_device` (auto: CUDA where onnxruntime has it, else the CPU)."""
     import torch
 
     out = Path(out)
@@ -97,7 +101,8 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
     config: ExportConfig = entry.load_export_config()(checkpoint)
     graphs = config.graphs()
     gates = config.gates(atol, prob_atol, tuple(lengths), seed)
-    progress.total += len(graphs) + 1 + len(gates)
+    forms = config.forms() if half_forms else []
+    progress.total += len(graphs) + 1 + len(gates) + 2 * len(forms)
     torch.manual_seed(seed)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +128,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
                                           reports.get(spec.name)) for spec in graphs},
             parity=reports[None], versions=_versions(),
             exported_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        manifest.write(staging)
+        manifest = write_forms(config, forms, staging, manifest, resolve_device(gate_device), progress)
         if out.exists():
             shutil.rmtree(out)
         staging.chmod(0o755)
@@ -132,4 +137,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
         if staging.exists():
             shutil.rmtree(staging)
     print(f"artifact written to {out} (parity: {manifest.parity['summary']})", file=sys.stderr)
+    for name, form in manifest.forms.items():
+        print(f"form {name}: " + (f"refused ({form.refused})" if form.refused else form.gate["summary"]),
+              file=sys.stderr)
     return out

@@ -4,7 +4,7 @@ the chat template."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,29 @@ class GraphEntry:
 
 
 @dataclass(frozen=True)
+class FormEntry:
+    """Another form of the artifact's graphs beside the portable fp32 one (docs/artifact.md): its dtype, the
+    providers it is for, its files by graph name (a graph it does not rewrite is the portable file) and its
+    parity gate's figures; or why export refused it (`refused`, and no files)."""
+
+    dtype: str
+    providers: list[str]
+    graphs: dict[str, str] = field(default_factory=dict)
+    gate: dict[str, Any] = field(default_factory=dict)
+    refused: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": self.dtype, "providers": self.providers, "graphs": self.graphs,
+                               "gate": self.gate}
+        if self.refused is not None:
+            out["refused"] = self.refused
+        return out
+
+
+PORTABLE = "portable"  # the fp32 graphs every provider runs (manifest `graphs`)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """`manifest.json`: what every artifact records, and its family's own fields (`model`: the shapes and
     settings its engine needs), which the JSON keeps at the top level beside the common ones."""
@@ -57,9 +80,10 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     exported_at: str = ""
     model: dict[str, Any] = field(default_factory=dict)
+    forms: dict[str, FormEntry] = field(default_factory=dict)
 
     COMMON = ("format", "format_version", "family", "source", "checkpoint", "max_model_len", "graphs", "parity",
-              "special_tokens", "tokenizer_class", "source_files", "opset", "versions", "exported_at")
+              "special_tokens", "tokenizer_class", "source_files", "opset", "versions", "exported_at", "forms")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Manifest:
@@ -69,6 +93,7 @@ class Manifest:
                    special_tokens=raw.get("special_tokens", {}), tokenizer_class=raw.get("tokenizer_class", ""),
                    source_files=raw.get("source_files", {}), opset=int(raw.get("opset", 18)),
                    versions=raw.get("versions", {}), exported_at=raw.get("exported_at", ""),
+                   forms={name: FormEntry(**form) for name, form in raw.get("forms", {}).items()},
                    model={k: v for k, v in raw.items() if k not in cls.COMMON})
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,6 +102,7 @@ class Manifest:
                 "max_model_len": self.max_model_len, "opset": self.opset, **self.model,
                 "tokenizer_class": self.tokenizer_class, "special_tokens": self.special_tokens,
                 "graphs": {name: g.to_dict() for name, g in self.graphs.items()}, "parity": self.parity,
+                "forms": {name: form.to_dict() for name, form in self.forms.items()},
                 "versions": self.versions, "exported_at": self.exported_at}
 
     @classmethod
@@ -114,11 +140,33 @@ class Artifact:
     def max_model_len(self) -> int:
         return self.manifest.max_model_len
 
+    form: str = PORTABLE  # which form's files graph_path gives
+
     def graph_path(self, name: str) -> Path:
         graphs = self.manifest.graphs
         if name not in graphs:
             raise ArtifactError(f"artifact {self.root} has no {name!r} graph (it has {', '.join(graphs)})")
+        if self.form != PORTABLE:
+            return self.root / self.manifest.forms[self.form].graphs.get(name, graphs[name].file)
         return self.root / graphs[name].file
+
+    def forms_for(self, device: str) -> list[str]:
+        """The forms this artifact can run on `device` (cpu, cuda, rocm), best first: the written forms made for
+        it, then the portable one."""
+        made = [name for name, form in self.manifest.forms.items() if form.refused is None and device in form.providers]
+        return [*made, PORTABLE]
+
+    def with_form(self, form: str, device: str) -> Artifact:
+        """This artifact reading `form`'s graphs: "auto" takes the best form for `device`; a form named outright
+        runs on any device (onnxruntime casts what a provider has no half-precision kernel for)."""
+        if form == "auto":
+            form = self.forms_for(device)[0]
+        written = [PORTABLE, *(name for name, f in self.manifest.forms.items() if f.refused is None)]
+        if form not in written:
+            refused = self.manifest.forms.get(form)
+            why = f" (export refused it: {refused.refused})" if refused and refused.refused else ""
+            raise ArtifactError(f"artifact {self.root} has no form {form!r}{why}; it has {', '.join(written)}")
+        return replace(self, form=form)
 
     @classmethod
     def load(cls, root: str | Path, families: FamilyRegistry = FAMILIES) -> Artifact:

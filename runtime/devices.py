@@ -44,3 +44,11 @@ def pick_providers(device: str, available: Sequence[str]) -> list[str]:
             f"(available: {', '.join(available)}; install systemone-onnx[{EXTRAS[device]}] in place of the current "
             "flavour)")
     return [found[0]] if device == "cpu" else [found[0], CPU]
+
+
+def device_of(provider: str) -> str:
+    """The device name (cuda, rocm, cpu) a provider runs."""
+    for device, providers in PROVIDERS.items():
+        if provider in providers:
+            return device
+    raise ProviderUnavailable(f"no device runs provider {provider!r}")

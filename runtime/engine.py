@@ -29,6 +29,8 @@ class EngineOptions:
     threads: int | None = None
     attention_budget: int = 4 << 30  # bytes of attention scores one graph call may hold
     fetch_policy: FetchPolicy = field(default_factory=FetchPolicy)
+    form: str = "auto"  # which of the artifact's forms to run (auto: the best for the device; docs/artifact.md)
+    gpu_memory: int | None = None  # bytes each graph's CUDA arena may hold (--gpu-memory); None: unbounded
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from .media_allowance import MediaBudget
 from .media_encoder import LoadedMedia
 from .media_pool import MediaPool
 from .prompt import RenderedPrompt
+from .session import resolve_device
 
 RESPONSE_OBJECT = "structured_decision"
 ID_PREFIX = "decision-"
@@ -56,6 +57,8 @@ class DecisionService:
         if options.max_model_len and options.max_model_len > artifact.max_model_len:
             raise ValueError(f"max_model_len={options.max_model_len} is more than the model's "
                              f"{artifact.max_model_len} positions")
+        # The form for the device: the half-precision CUDA form where export wrote one, else the portable graphs.
+        artifact = artifact.with_form(options.form, resolve_device(options.device))
         self.artifact = artifact
         self.family = artifact.family
         self.served_model_names = served_model_names or [artifact.source]
@@ -71,6 +74,10 @@ class DecisionService:
     @property
     def provider(self) -> str:
         return self.engine.session.provider
+
+    @property
+    def form(self) -> str:
+        return self.artifact.form
 
     @property
     def model_name(self) -> str:

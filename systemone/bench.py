@@ -167,48 +167,79 @@ class D1Workload(Workload):
 WORKLOADS = {"d3": D3Workload, "d1": D1Workload}
 
 
+def form_bytes(artifact: Artifact) -> int:
+    """Bytes on disk of the graphs `artifact` runs in its form (external weights included)."""
+    paths = [artifact.graph_path(name) for name in artifact.manifest.graphs]
+    return sum(p.stat().st_size for path in paths for p in (path, path.with_name(path.name + ".data")) if p.is_file())
+
+
+def bench_form(work: Workload, token_batches: dict[tuple[int, int], np.ndarray], repeats: int,
+               request_repeats: int, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[tuple[int, int], Any]]:
+    """One form's token batches and whole requests; its report and its outputs per batch."""
+    service = work.service
+    report: dict[str, Any] = {"provider": service.provider, "graph_bytes": form_bytes(service.artifact),
+                              "batches": [], "requests": {}}
+    outputs: dict[tuple[int, int], np.ndarray] = {}
+    for (b, n), ids in token_batches.items():
+        def run_runtime(ids: np.ndarray = ids, key: tuple[int, int] = (b, n)) -> None:
+            outputs[key] = work.runtime_batch(ids)
+
+        times = timed(run_runtime, repeats)
+        row = {"batch": b, "length": n, "runtime_ms": percentile_ms(times, 50),
+               "runtime_questions_per_s": b / float(np.median(times))}
+        report["batches"].append(row)
+        log(f"{service.form:>10s} batch {b:3d} x {n:5d}: {row['runtime_ms']:9.2f} ms  "
+            f"{row['runtime_questions_per_s']:8.1f} q/s")
+    for name, make in work.requests().items():
+        times = timed(lambda i=iter(range(10**6)): service.decide(make(next(i))), request_repeats)
+        report["requests"][name] = {"p50_ms": percentile_ms(times, 50), "p99_ms": percentile_ms(times, 99),
+                                    "runs": len(times)}
+        log(f"{service.form:>10s} request {name}: p50 {report['requests'][name]['p50_ms']:.2f} ms, p99 "
+            f"{report['requests'][name]['p99_ms']:.2f} ms")
+    return report, outputs
+
+
 def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches: tuple[int, ...] = (1, 8, 32, 64),
               lengths: tuple[int, ...] = (200, 1000), repeats: int = 10, request_repeats: int = 30,
               torch_dtypes: tuple[str, ...] = ("bfloat16", "float32"), max_tokens: int = 65536,
+              forms: tuple[str, ...] | None = None, gpu_memory: int | None = None,
               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Each form of the artifact for `device` (default: every one it has), then transformers eager in each of
+    `torch_dtypes`, on the same token batches."""
+    import gc
+
     import torch
 
     entry = FAMILIES.recognise(checkpoint)
     artifact = Artifact.load(artifact_dir)
     if artifact.manifest.family != entry.name:
         raise ValueError(f"{artifact_dir} is a {artifact.manifest.family} artifact; {checkpoint} is {entry.name}")
-    before = gpu_used_mib()
-    service = DecisionService(artifact, EngineOptions(device=device))
     reference = entry.load_export_config()(checkpoint)
     vocab = 150_000 if entry.name == "d3" else int(reference.text_config.vocab_size)
-    work = WORKLOADS[entry.name](service, reference, vocab)
     torch_device = "cuda" if device == "cuda" else "cpu"
     sync = torch.cuda.synchronize if torch_device == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
     report: dict[str, Any] = {"family": entry.name, "checkpoint": str(checkpoint), "device": device,
-                              "provider": service.provider, "artifact_bytes": directory_bytes(artifact_dir),
-                              "graph_dtype": artifact.manifest.graphs["text"].dtype, "batches": [], "requests": {}}
+                              "artifact_bytes": directory_bytes(artifact_dir), "gpu_memory_limit_bytes": gpu_memory,
+                              "bf16_weight_bytes": 2 * sum(p.numel() for p in reference.model.parameters()),
+                              "forms": {}}
     shapes = [(b, n) for n in lengths for b in batches if b * n <= max_tokens]
     token_batches = {shape: rng.integers(0, vocab, shape) for shape in shapes}
 
-    runtime_out: dict[tuple[int, int], np.ndarray] = {}
-    for (b, n), ids in token_batches.items():
-        def run_runtime(ids: np.ndarray = ids, key: tuple[int, int] = (b, n)) -> None:
-            runtime_out[key] = work.runtime_batch(ids)
-
-        times = timed(run_runtime, repeats)
-        row = {"batch": b, "length": n, "runtime_ms": percentile_ms(times, 50),
-               "runtime_questions_per_s": b / float(np.median(times))}
-        report["batches"].append(row)
-        log(f"runtime   batch {b:3d} x {n:5d}: {row['runtime_ms']:9.2f} ms  {row['runtime_questions_per_s']:8.1f} q/s")
-    for name, make in work.requests().items():
-        times = timed(lambda i=iter(range(10**6)): service.decide(make(next(i))), request_repeats)
-        report["requests"][name] = {"p50_ms": percentile_ms(times, 50), "p99_ms": percentile_ms(times, 99),
-                                    "runs": len(times)}
-        log(f"request   {name}: p50 {report['requests'][name]['p50_ms']:.2f} ms, p99 "
-            f"{report['requests'][name]['p99_ms']:.2f} ms")
-    serving = gpu_used_mib()
-    report["gpu_memory_serving_mib"] = None if serving is None or before is None else serving - before
+    outputs: dict[str, dict[tuple[int, int], np.ndarray]] = {}
+    work: Workload | None = None
+    for form in forms or tuple(artifact.forms_for(device)):
+        work = None
+        gc.collect()  # the last form's sessions (and their device arenas) go before this one is measured
+        before = gpu_used_mib()
+        service = DecisionService(artifact, EngineOptions(device=device, form=form, gpu_memory=gpu_memory))
+        work = WORKLOADS[entry.name](service, reference, vocab)
+        form_report, outputs[form] = bench_form(work, token_batches, repeats, request_repeats, log)
+        serving = gpu_used_mib()
+        form_report["gpu_memory_serving_mib"] = None if serving is None or before is None else serving - before
+        report["forms"][form] = form_report
+        del service
+    assert work is not None, "no form to bench"
 
     # float32 first: the bf16 copy is made in place, so the fp32 weights must be used before it.
     base_model = reference.model
@@ -216,23 +247,25 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
         model = base_model.to(torch_device, getattr(torch, dtype_name))
         if torch_device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        for row in report["batches"]:
-            ids = token_batches[row["batch"], row["length"]]
+        torch_rows = []
+        for (b, n), ids in token_batches.items():
             out: dict[str, np.ndarray] = {}
 
-            def run() -> None:
+            def run(ids: np.ndarray = ids) -> None:
                 out["logits"] = work.torch_batch(model, ids)
 
             times = timed(run, max(1, repeats // 2), sync)
-            row[f"torch_{dtype_name}_ms"] = percentile_ms(times, 50)
-            row[f"runtime_over_torch_{dtype_name}"] = float(np.median(times)) / (row["runtime_ms"] / 1000.0)
-            if dtype_name == "float32":
-                row["max_abs_diff_vs_torch_float32"] = float(
-                    np.abs(runtime_out[row["batch"], row["length"]] - out["logits"]).max())
-            log(f"torch {dtype_name:8s} batch {row['batch']:3d} x {row['length']:5d}: "
-                f"{row[f'torch_{dtype_name}_ms']:9.2f} ms  (runtime {row[f'runtime_over_torch_{dtype_name}']:.2f}x)")
+            seconds = float(np.median(times))
+            torch_rows.append({"batch": b, "length": n, "ms": percentile_ms(times, 50)})
+            log(f"torch {dtype_name:8s} batch {b:3d} x {n:5d}: {torch_rows[-1]['ms']:9.2f} ms")
+            for form, form_report in report["forms"].items():
+                row = next(r for r in form_report["batches"] if (r["batch"], r["length"]) == (b, n))
+                row[f"runtime_over_torch_{dtype_name}"] = seconds / (row["runtime_ms"] / 1000.0)
+                if dtype_name == "float32":
+                    row["max_abs_diff_vs_torch_float32"] = float(np.abs(outputs[form][b, n] - out["logits"]).max())
+        report[f"torch_{dtype_name}"] = {"batches": torch_rows}
         if torch_device == "cuda":
-            report[f"torch_{dtype_name}_peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+            report[f"torch_{dtype_name}"]["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return report
 
 

@@ -45,7 +45,9 @@ def _service(args: argparse.Namespace):
         allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
         allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes,
         image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout)
-    options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy)
+    gpu_memory = int(args.gpu_memory * (1 << 30)) if args.gpu_memory else None
+    options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy,
+                            form=args.form, gpu_memory=gpu_memory)
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
                            media_limits=MediaLimits(args.limit_images, args.limit_videos),
                            aliases=() if args.no_jev_latest_alias else DEFAULT_ALIASES,
@@ -73,7 +75,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export.pipeline import export_checkpoint
 
     export_checkpoint(args.source, args.out, revision=args.revision, atol=args.atol, prob_atol=args.prob_atol,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, half_forms=not args.portable_only, gate_device=args.gate_device)
     return 0
 
 
@@ -114,7 +116,10 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
     """What `serve` is about to serve, before uvicorn's own lines."""
     manifest = service.artifact.manifest
     aliases = f" (also answers to {', '.join(service.aliases)})" if service.aliases else ""
-    precision = ", ".join(sorted({g.dtype for g in manifest.graphs.values()}))
+    form = service.form
+    precision = (f"{form} form ({manifest.forms[form].dtype}, readout float32; gate: "
+                 f"{manifest.forms[form].gate.get('summary', '-')})" if form in manifest.forms
+                 else f"portable form ({', '.join(sorted({g.dtype for g in manifest.graphs.values()}))})")
     for key, value in (("model", ", ".join(service.served_model_names) + aliases),
                        ("artifact", f"{args.artifact} (family {manifest.family}, source {manifest.source})"),
                        ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),
@@ -183,8 +188,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.checkpoint or not args.artifact:
         print("systemone bench: give CHECKPOINT and --artifact (or --serve URL for a load run)", file=sys.stderr)
         return 2
+    gpu_memory = int(args.gpu_memory * (1 << 30)) if args.gpu_memory else None
     report = run_bench(Path(args.checkpoint), Path(args.artifact), args.device, tuple(args.batches),
-                       tuple(args.lengths), args.repeats, args.request_repeats, tuple(args.torch_dtypes))
+                       tuple(args.lengths), args.repeats, args.request_repeats, tuple(args.torch_dtypes),
+                       forms=tuple(args.forms) if args.forms else None, gpu_memory=gpu_memory)
     if args.out:
         write_report(report, Path(args.out))
     print(json.dumps(report, indent=2))
@@ -195,6 +202,11 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="an exported artifact directory")
     parser.add_argument("--device", default="auto", choices=DEVICES,
                         help="execution provider; one that is absent is an error")
+    parser.add_argument("--form", default="auto",
+                        help="which of the artifact's forms to run: auto (the half-precision CUDA form on cuda where "
+                             "export wrote one, else the portable fp32 graphs), portable, or a form's name")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="most GiB each graph's CUDA memory arena may hold (default: unbounded)")
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="name(s) the model answers to; the first is reported (default: the checkpoint's own "
                              "name from the manifest: the hub id, or the checkpoint directory's name)")
@@ -261,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--atol", type=float, default=2e-3, help="max |code logit diff| vs torch")
     export.add_argument("--prob-atol", type=float, default=1e-4, help="max |probability diff| vs torch")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    export.add_argument("--portable-only", action="store_true",
+                        help="write only the portable fp32 graphs, not the gated half-precision CUDA form")
+    export.add_argument("--gate-device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where the half-precision form's answer gate runs (auto: CUDA when onnxruntime has it)")
     export.set_defaults(func=cmd_export)
 
     serve = sub.add_parser("serve", help="serve POST /v1/systemone", parents=[common], formatter_class=formatter)
@@ -306,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=10, help="timed runs per token batch (after a warm-up)")
     bench.add_argument("--request-repeats", type=int, default=30, help="timed whole requests per kind")
     bench.add_argument("--torch-dtypes", nargs="+", default=["bfloat16", "float32"], help="transformers eager dtypes")
+    bench.add_argument("--forms", nargs="+", default=None,
+                       help="the artifact's forms to run (default: every one it has for --device)")
+    bench.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                       help="most GiB each graph's CUDA arena may hold, as serve's flag")
     bench.add_argument("--out", default=None, help="also write the JSON report here (e.g. scripts/results/)")
     load = bench.add_argument_group("load run (--serve): the seeds' request mix, N clients in a closed loop")
     load.add_argument("--serve", metavar="URL", help="POST endpoint of a running server, e.g. "

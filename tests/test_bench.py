@@ -16,16 +16,24 @@ def test_bench_compares_the_same_batches(family, request):
     checkpoint = request.getfixturevalue(f"{family}_checkpoint")
     artifact = request.getfixturevalue(f"{family}_artifact")
     report = run_bench(checkpoint, artifact, "cpu", batches=(1, 3), lengths=(17, 40), repeats=2, request_repeats=2,
-                       torch_dtypes=("float32",), log=lambda line: None)
-    assert report["family"] == family and report["provider"] == "CPUExecutionProvider"
-    assert [(r["batch"], r["length"]) for r in report["batches"]] == [(1, 17), (3, 17), (1, 40), (3, 40)]
-    for row in report["batches"]:
-        assert row["max_abs_diff_vs_torch_float32"] <= 2e-3, row
-        assert row["runtime_ms"] > 0 and row["torch_float32_ms"] > 0
-    assert set(report["requests"]) >= {"one_question", "sixteen_questions"}
-    for timing in report["requests"].values():
-        assert 0 < timing["p50_ms"] <= timing["p99_ms"]
-    assert report["artifact_bytes"] > 0 and report["gpu_memory_serving_mib"] is None  # no NVIDIA GPU here
+                       torch_dtypes=("float32",), forms=("portable", "cuda-fp16"), log=lambda line: None)
+    assert report["family"] == family and set(report["forms"]) == {"portable", "cuda-fp16"}
+    assert [(r["batch"], r["length"]) for r in report["torch_float32"]["batches"]] == [(1, 17), (3, 17), (1, 40),
+                                                                                      (3, 40)]
+    for name, form in report["forms"].items():
+        assert form["provider"] == "CPUExecutionProvider"
+        assert [(r["batch"], r["length"]) for r in form["batches"]] == [(1, 17), (3, 17), (1, 40), (3, 40)]
+        for row in form["batches"]:
+            # The portable form is the fp32 graph; the half-precision one is gated on answers, not logits.
+            assert row["max_abs_diff_vs_torch_float32"] <= (2e-3 if name == "portable" else 0.5), row
+            assert row["runtime_ms"] > 0 and row["runtime_over_torch_float32"] > 0
+        assert set(form["requests"]) >= {"one_question", "sixteen_questions"}
+        for timing in form["requests"].values():
+            assert 0 < timing["p50_ms"] <= timing["p99_ms"]
+        assert form["gpu_memory_serving_mib"] is None  # no NVIDIA GPU here
+    # The half-precision graph holds half the portable graph's bytes (the readout and the vision graph stay fp32).
+    assert report["forms"]["cuda-fp16"]["graph_bytes"] < 0.75 * report["forms"]["portable"]["graph_bytes"]
+    assert report["artifact_bytes"] > 0
 
 
 def test_bench_command_writes_its_report(d3_checkpoint, d3_artifact, tmp_path, capsys):
@@ -33,4 +41,4 @@ def test_bench_command_writes_its_report(d3_checkpoint, d3_artifact, tmp_path, c
     assert cli_main(["bench", str(d3_checkpoint), "--artifact", str(d3_artifact), "--batches", "2", "--lengths",
                      "9", "--repeats", "1", "--request-repeats", "1", "--torch-dtypes", "float32",
                      "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["batches"][0]["batch"] == 2
+    assert json.loads(out.read_text())["forms"]["portable"]["batches"][0]["batch"] == 2

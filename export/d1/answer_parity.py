@@ -19,6 +19,7 @@ from ...runtime.engine import Prepared
 from ...runtime.media_decode import decode_image
 from ...runtime.media_fetch import fetch
 from ...runtime.service import DecisionService
+from ..answer_gate import QuestionPair
 
 # Spec 3.8's example sizes: 640x480 (one crop), 200x100 (one upscaled crop), 1024x1024 (2x2 tiles), 2000x1000 and
 # 1920x1080 (capped to 1448x724 and 1365x768, then 2x1 tiles).
@@ -118,6 +119,17 @@ def onnx_reads(service: DecisionService, prepared: Prepared, reuse_prefix: bool 
     readouts = service.engine.run(prepared, reuse_prefix=reuse_prefix)
     return [service.family.read(q, labels, readout)
             for q, labels, readout in zip(prepared.questions, prepared.labels, readouts)]
+
+
+def question_pairs(service: DecisionService, reference: Any, requests: list[dict[str, Any]]) -> list[QuestionPair]:
+    """Each question of `requests`: the runtime's probabilities (prefix reuse) and the torch model's."""
+    pairs = []
+    for body in requests:
+        want = torch_reads(service, reference, body)
+        prepared = service.prepare(body)
+        pairs += [QuestionPair(q.id, read.probs, want[q.id].probs)
+                  for q, read in zip(prepared.questions, onnx_reads(service, prepared))]
+    return pairs
 
 
 def compare(service: DecisionService, reference: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from ...runtime.d1.image_processor import Lfm2ImageConfig
 from ...runtime.d1.state import D1TextRunner, StateLayout
 from ...runtime.session import GraphSession
 from ...runtime.tokenizer import PromptTokenizer
-from ..config import ExportConfig, Gate, GraphSpec, RuntimeFiles
+from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles
 from ..parity import sample_prompts
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
 from .lfm2_text import D1TextGraph
@@ -30,6 +30,7 @@ from .lfm2_vision import D1VisionGraph
 
 TEXT_INPUTS = ["input_ids", "media_embeds", "media_index", "last_index", "label_ids"]
 TEXT_OUTPUTS = ["label_logprobs", "argmax"]
+GATE_REQUESTS = 70  # three questions each, every third with images: the half-precision form's 210 questions
 TEXT_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "media_embeds": {0: "media"}, "media_index": {0: "media"},
              "last_index": {0: "batch"}, "label_ids": {0: "labels"}}
 VISION_INPUTS = ["patches", "positions"]
@@ -213,6 +214,13 @@ class D1ExportConfig(ExportConfig):
         return [Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts, whole "
                      "and as suffixes on a prefilled prefix", text),
                 Gate("checking the vision graph against LFM2-VL's image features", vision, graph="vision")]
+
+    def forms(self) -> list[HalfForm]:
+        from .answer_parity import parity_requests, question_pairs
+
+        # The text graph in fp16 (its state in and out kept fp32); the vision graph stays the portable fp32 one.
+        return [HalfForm("cuda-fp16", ("cuda",), {"text": tuple(TEXT_OUTPUTS)},
+                         lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)))]
 
     def write_runtime_files(self, out: Path) -> RuntimeFiles:
         """Tokenizer (as transformers loads it for lfm2_vl: tokenizer.json as is, spec 3.4), the processor's chat

@@ -12,6 +12,7 @@ from ...models.family import Readout
 from ...models.questions import first_argmax
 from ...runtime.d3.code_logits import text_positions
 from ...runtime.service import DecisionService
+from ..answer_gate import QuestionPair
 
 STATES = [None, "The parcel arrived crushed and the customer wants a refund.", {"error": "Disk at 98%", "host": "db1"},
           "नमस्ते — एक छोटा संदेश", ["a", 1, {"b": None}], "x" * 300, "Short.", {"tickets": list(range(40))}]
@@ -52,20 +53,23 @@ def onnx_probabilities(service: DecisionService, body: dict) -> dict[str, list[f
     return {qid: list(a["probabilities"].values()) for qid, a in service.decide(body)["answers"].items()}
 
 
-def compare(service: DecisionService, reference: Any, requests: list[dict]) -> dict:
-    """ONNX vs torch over `requests`: question count, differing picks, max |dp|, median top probability."""
-    count, worst, tops, differing = 0, 0.0, [], []
+def question_pairs(service: DecisionService, reference: Any, requests: list[dict]) -> list[QuestionPair]:
+    """Each question of `requests`: the runtime's probabilities and the torch model's."""
+    pairs = []
     for body in requests:
         want = torch_probabilities(service, reference, body)
         got = onnx_probabilities(service, body)
-        for qid, probs in want.items():
-            if first_argmax(got[qid]) != first_argmax(probs):
-                differing.append(qid)
-            worst = max(worst, float(np.abs(np.array(got[qid]) - np.array(probs)).max()))
-            tops.append(max(probs))
-            count += 1
-    return {"questions": count, "picks_differing": differing, "max_abs_dp": worst,
-            "median_top_probability": float(np.median(tops))}
+        pairs += [QuestionPair(qid, got[qid], probs) for qid, probs in want.items()]
+    return pairs
+
+
+def compare(service: DecisionService, reference: Any, requests: list[dict]) -> dict:
+    """ONNX vs torch over `requests`: question count, differing picks, max |dp|, median top probability."""
+    pairs = question_pairs(service, reference, requests)
+    return {"questions": len(pairs),
+            "picks_differing": [p.question for p in pairs if first_argmax(p.got) != first_argmax(p.want)],
+            "max_abs_dp": max(float(np.abs(np.array(p.got) - np.array(p.want)).max()) for p in pairs),
+            "median_top_probability": float(np.median([max(p.want) for p in pairs]))}
 
 
 

@@ -18,7 +18,7 @@ from ...runtime.batch import BatchBudget, MediaRows
 from ...runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
-from ..config import ExportConfig, Gate, GraphSpec, RuntimeFiles
+from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles
 from ..parity import check_parity, sample_prompts, worst_vision_sample
 from .qwen3_5_text import D3TextGraph
 from .qwen3_5_vision import D3VisionGraph
@@ -43,7 +43,8 @@ SAMPLE_REQUEST = {"state": {"ticket": "Refund not received after 10 days", "tier
                       "urgent": {"type": "noul", "instructions": "Is it urgent?"},
                       "team": {"type": "choice", "criteria": {"billing": "money", "support": None}},
                       "mood": {"type": "score", "criteria": ["calm", "annoyed", "furious"]}}}
-RANDOM_TOKEN_IDS = 150_000  # random prompts draw from the ids every Qwen3.5 vocabulary has
+RANDOM_TOKEN_IDS = 150_000
+GATE_REQUESTS = 70  # three questions each: the half-precision form is gated on 210 real prompts  # random prompts draw from the ids every Qwen3.5 vocabulary has
 
 
 class D3ExportConfig(ExportConfig):
@@ -205,6 +206,13 @@ class D3ExportConfig(ExportConfig):
 
         return [Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts", text),
                 Gate("checking the vision graph against the torch vision tower", vision, graph="vision")]
+
+    def forms(self) -> list[HalfForm]:
+        from .answer_parity import parity_requests, question_pairs
+
+        # The text graph in fp16; the vision graph stays the portable fp32 one (no answer gate covers it yet).
+        return [HalfForm("cuda-fp16", ("cuda",), {"text": tuple(TEXT_OUTPUTS)},
+                         lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)))]
 
     def write_runtime_files(self, staging: Path) -> RuntimeFiles:
         bits = write_runtime_files(self.checkpoint, staging)

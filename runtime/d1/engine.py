@@ -50,11 +50,13 @@ class D1Engine(Engine):
         self.tokenizer = artifact.tokenizer
         # The graph reads a prefix chunk by chunk and its KV cache grows linearly: the context is the model's.
         self.max_model_len = options.max_model_len or artifact.max_model_len
-        self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads)
+        self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
+                                    options.gpu_memory)
         layout = StateLayout.from_manifest(fields)
         self.runner = D1TextRunner(self.session, layout,
                                    BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads))
-        self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads)
+        self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
+                                    options.gpu_memory)
         vision = fields["vision"]
         self.media = D1ImageEncoder(self.vision_session, Lfm2ImageConfig.from_processor_config(vision),
                                     np.load(artifact.root / vision["positions_file"]), options.fetch_policy)

@@ -42,9 +42,11 @@ class D3Engine(Engine):
         longest = BatchBudget(attention_budget=options.attention_budget, heads=heads).longest_prompt()
         self.max_model_len = min(options.max_model_len or artifact.max_model_len, longest)
         self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads)
-        self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads)
+        self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
+                                    options.gpu_memory)
         self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]))
-        self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads)
+        self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
+                                    options.gpu_memory)
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
         self.max_chars_per_token = artifact.tokenizer.max_token_chars()
 

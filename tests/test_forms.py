@@ -1,0 +1,131 @@
+"""The half-precision CUDA form (docs/gpu.md, "The CUDA form"): export writes it beside the portable fp32 graphs
+only when the whole runtime on it answers within the gate of the torch fp32 model on 200+ real questions; the
+manifest records each form with its dtype, provider and gate figures; the runtime picks the form for its device."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import onnx
+import pytest
+
+from systemone.export.answer_gate import QuestionPair, gate_answers
+from systemone.export.config import AnswerTolerance, ParityError
+from systemone.export.pipeline import export_checkpoint
+from systemone.runtime.artifact import Artifact, ArtifactError
+from systemone.runtime.engine import EngineOptions
+from systemone.runtime.service import DecisionService
+
+FORM = "cuda-fp16"
+
+
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_export_writes_a_gated_half_precision_form(family, request):
+    artifact = request.getfixturevalue(f"{family}_artifact")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    form = manifest["forms"][FORM]
+    assert form["dtype"] == "float16" and form["providers"] == ["cuda"] and "refused" not in form
+    assert form["graphs"] == {"text": "text.fp16.onnx"}
+    gate = form["gate"]
+    assert gate["questions"] >= 200 and gate["max_abs_dp"] <= 0.02 and gate["median_abs_dp"] <= 0.003
+    assert gate["clear_picks_differing"] == [] and gate["questions_with_clear_pick"] > 100
+    assert gate["provider"] == "CPUExecutionProvider"  # no GPU here: the gate ran where export ran
+    # The portable graphs are untouched and still fp32.
+    assert manifest["graphs"]["text"]["file"] == "text.onnx" and manifest["graphs"]["text"]["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_the_half_precision_graph_keeps_its_inputs_outputs_and_readout_in_fp32(family, request):
+    artifact = request.getfixturevalue(f"{family}_artifact")
+    half = onnx.load(str(artifact / "text.fp16.onnx"))
+    portable = onnx.load(str(artifact / "text.onnx"), load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*half.graph.input, *half.graph.output]}
+    assert types == {v.name: v.type.tensor_type.elem_type for v in [*portable.graph.input, *portable.graph.output]}
+    weights = [t for t in half.graph.initializer if t.dims and np.prod(t.dims) >= 1024]
+    fp16 = [t for t in weights if t.data_type == onnx.TensorProto.FLOAT16]
+    fp32 = [t for t in weights if t.data_type == onnx.TensorProto.FLOAT]
+    assert len(fp16) > 10 * len(fp32)
+    # The readout (d3: the code readout; d1: the LM head and log-softmax) runs in fp32 on fp32 weights, and its
+    # logits reach the output unrounded: no fp16 cast between the readout MatMul and the output.
+    producer = {o: n for n in half.graph.node for o in n.output}
+    node, path = producer[half.graph.output[0].name], []
+    while node.op_type not in ("MatMul", "Gemm"):
+        path.append(node)
+        node = producer[node.input[0]]
+    assert not any(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT16 for n in path), path
+    fp32_names = {t.name for t in fp32}
+    weight = node.input[1]
+    while weight not in fp32_names:  # through the Identity (and, d1, the Transpose) that read it
+        assert weight in producer and producer[weight].op_type in ("Identity", "Transpose"), weight
+        weight = producer[weight].input[0]
+
+
+def test_the_runtime_picks_the_form_for_its_device(d3_artifact):
+    artifact = Artifact.load(d3_artifact)
+    assert artifact.forms_for("cuda") == [FORM, "portable"]
+    assert artifact.forms_for("cpu") == ["portable"] and artifact.forms_for("rocm") == ["portable"]
+    assert artifact.with_form("auto", "cuda").graph_path("text").name == "text.fp16.onnx"
+    assert artifact.with_form("auto", "cuda").graph_path("vision").name == "vision.onnx"  # not rewritten
+    assert artifact.with_form("auto", "cpu").graph_path("text").name == "text.onnx"
+    assert DecisionService(artifact, EngineOptions(device="cpu")).form == "portable"
+    with pytest.raises(ArtifactError, match="has no form 'bf16'.*portable, cuda-fp16"):
+        artifact.with_form("bf16", "cuda")
+
+
+def test_a_form_named_outright_runs_anywhere_and_answers_like_the_portable_one(d3_artifact):
+    """The half-precision form on the CPU (onnxruntime casts around what has no fp16 kernel there)."""
+    body = {"state": {"ticket": "Refund not received", "tier": "gold"},
+            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"},
+                          "team": {"type": "choice", "criteria": {"billing": None, "support": None, "sales": None}}}}
+    answers = {form: DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu", form=form))
+               .decide(body)["answers"] for form in ("portable", FORM)}
+    for qid, answer in answers["portable"].items():
+        half = answers[FORM][qid]["probabilities"]
+        assert max(abs(p - half[k]) for k, p in answer["probabilities"].items()) <= 0.02
+
+
+def test_a_form_that_fails_its_gate_is_not_written(d3_checkpoint, tmp_path, monkeypatch, capsys):
+    from systemone.export.d3.config import D3ExportConfig
+
+    real = D3ExportConfig.forms
+    monkeypatch.setattr(D3ExportConfig, "forms", lambda self: [
+        replace(form, tolerance=AnswerTolerance(max_dp=1e-9)) for form in real(self)])
+    out = export_checkpoint(str(d3_checkpoint), tmp_path / "art", lengths=(7,))
+    assert "the cuda-fp16 form is not written: answers disagree with the torch fp32 model over 210 questions: " \
+           "max |dp|" in capsys.readouterr().err
+    form = json.loads((out / "manifest.json").read_text())["forms"][FORM]
+    assert form["refused"].startswith("answers disagree") and form["graphs"] == {}
+    assert not (out / "text.fp16.onnx").exists() and not (out / "text.fp16.onnx.data").exists()
+    artifact = Artifact.load(out)
+    assert artifact.forms_for("cuda") == ["portable"]  # a CUDA server runs the portable graphs
+    with pytest.raises(ArtifactError, match="export refused it: answers disagree"):
+        artifact.with_form(FORM, "cuda")
+
+
+# -- the gate's rule ---------------------------------------------------------------------------------------------
+def pairs(count: int, got, want) -> list[QuestionPair]:
+    return [QuestionPair(f"q{i}", got, want) for i in range(count)]
+
+
+def test_the_gate_needs_200_questions():
+    with pytest.raises(ParityError, match="at least 200 questions; it got 199"):
+        gate_answers(pairs(199, [0.5, 0.5], [0.5, 0.5]))
+
+
+def test_the_gate_holds_max_and_median():
+    report = gate_answers(pairs(200, [0.702, 0.298], [0.7, 0.3]) + pairs(1, [0.715, 0.285], [0.7, 0.3]))
+    assert report["max_abs_dp"] == pytest.approx(0.015) and report["median_abs_dp"] == pytest.approx(0.002)
+    with pytest.raises(ParityError, match=r"max \|dp\| 0.0250 > 0.02"):
+        gate_answers(pairs(200, [0.7, 0.3], [0.7, 0.3]) + pairs(1, [0.725, 0.275], [0.7, 0.3]))
+    with pytest.raises(ParityError, match=r"median \|dp\| 0.0040 > 0.003"):
+        gate_answers(pairs(200, [0.704, 0.296], [0.7, 0.3]))
+
+
+def test_a_pick_may_differ_only_where_the_reference_is_undecided():
+    close = pairs(200, [0.505, 0.495], [0.495, 0.505])  # top two 0.01 apart: fp16 may swap them
+    assert gate_answers(close)["questions_with_clear_pick"] == 0
+    clear = pairs(199, [0.5, 0.5], [0.5, 0.5]) + [QuestionPair("flip", [0.49, 0.51, 0.0], [0.5, 0.47, 0.03])]
+    with pytest.raises(ParityError, match="1 clear picks differ \\(first: flip\\)"):
+        gate_answers(clear)
