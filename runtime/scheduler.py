@@ -272,7 +272,7 @@ class Scheduler:
         """Answer (or fail) a request and forget it; its caller may have gone already."""
         if ticket in self._tickets:
             self._tickets.remove(ticket)
-        if ticket.gone and error is None:
+        if ticket.gone:  # whatever stopped its work, the request was abandoned first
             error = ticket.deadline.error()
         try:
             if error is not None:
