@@ -6,10 +6,11 @@ Requests arrive prepared (checked, media loaded, prompts tokenized). In the engi
   whole, as one job;
 - otherwise a request with media first runs its vision graph, as a job of its own; then its rows join the queue
   (a text-only request's rows join at once);
-- rows of different requests share padded text-graph calls. Rows are taken in the order (rows of their request
-  already taken, arrival): every waiting request's first row comes before any request's second, so a request of 64
-  questions cannot hold back a one-question request that arrives after it; among equals, arrival order first. The
-  first row in that order anchors the call; later ones join it while it has fewer than `batch_rows` rows, their
+- rows of different requests share padded text-graph calls. Rows are taken in start-time fair order: a request
+  arriving when the scheduler's virtual time is V has its rows at V, V+1, V+2, ... (V is the place of the last row
+  taken), ties in arrival order. So requests waiting together take turns row by row: a request of 64 questions
+  cannot hold back a one-question request that arrives after it, and a stream of new requests cannot hold back
+  the later rows of one already waiting. The first row in that order anchors the call; later ones join it while it has fewer than `batch_rows` rows, their
   lengths stay within FILL of its longest (padding costs as much as real tokens) and it fits the engine's budget
   (padded tokens and attention memory). While the call could take more rows, it waits up to `batch_wait_s` after
   its rows became ready for other requests' rows to arrive.
@@ -54,6 +55,7 @@ class _Ticket:
     stage: str  # "whole" (one job), "media" (its vision job first), "rows" (rows queued or in flight)
     pending: deque[tuple[int, TextRow]] = field(default_factory=deque)
     readouts: list[Readout | None] = field(default_factory=list)
+    start: int = 0  # the scheduler's virtual time when it arrived: its first row's place in the order
     taken: int = 0  # rows taken into calls so far
     ready_at: float = 0.0  # when its rows joined the queue
 
@@ -62,7 +64,8 @@ class _Ticket:
         return self.deadline.expired() or self.future.cancelled()
 
     def key(self, offset: int = 0) -> tuple[int, int]:
-        return (self.taken + offset, self.arrival)
+        """The place of its row `taken + offset` in the order rows are taken: (virtual time, arrival)."""
+        return (self.start + self.taken + offset, self.arrival)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._tickets: list[_Ticket] = []
         self._arrivals = 0
+        self._virtual = 0  # the virtual time of the last row taken (start-time fair queueing)
         self._in_flight: _Call | None = None
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -97,7 +101,7 @@ class Scheduler:
                 raise Unavailable("the server is shutting down; retry later")
             self._arrivals += 1
             ticket = _Ticket(prepared, deadline, future, self._arrivals, self._first_stage(prepared),
-                             readouts=[None] * len(prepared.questions))
+                             start=self._virtual, readouts=[None] * len(prepared.questions))
             if ticket.stage == "rows":
                 self._queue_rows(ticket, self.engine.rows(prepared, None))
             self._tickets.append(ticket)
@@ -172,6 +176,7 @@ class Scheduler:
                              for i in range(min(len(t.pending), self.batch_rows))), key=lambda c: c[0])
         if first_job is not None and (not candidates or first_job.key() <= candidates[0][0]):
             first_job.stage = "running"
+            self._virtual = max(self._virtual, first_job.key()[0])
             return self._job(first_job), 0.0
         if not candidates:  # every request's work is in flight
             return None, None
@@ -182,6 +187,7 @@ class Scheduler:
             return None, wait_s
         taken: list[tuple[_Ticket, int, TextRow]] = []
         for ticket, _ in call:
+            self._virtual = max(self._virtual, ticket.key()[0])
             index, row = ticket.pending.popleft()  # a ticket's rows are taken in order: candidates ran in order
             ticket.taken += 1
             taken.append((ticket, index, row))
