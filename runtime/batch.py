@@ -71,6 +71,21 @@ def pad_right(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarra
 
 
 @dataclass(frozen=True)
+class TextRow:
+    """One question's text-graph input, able to share a padded batch with rows of other requests: its token ids,
+    the family's positions for them (d3: [3, n] M-RoPE; None where the graph takes none) and the vision rows at its
+    own prompt positions (None: text only)."""
+
+    token_ids: Sequence[int]
+    positions: np.ndarray | None = None
+    media: MediaRows | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
 class MediaRows:
     """Vision-graph rows and the prompt positions they fill, in row order."""
 
@@ -88,8 +103,18 @@ class MediaRows:
 
     def in_every_row(self, batch: int, width: int) -> MediaRows:
         """The same rows at the same positions of each row of a [batch, width] batch, as flat indices."""
-        index = (np.arange(batch, dtype=np.int64)[:, None] * width + self.positions[None, :]).reshape(-1)
-        return MediaRows(np.tile(self.embeds.astype(np.float32), (batch, 1)), index)
+        return MediaRows.in_rows([self] * batch, width, self.embeds.shape[1])
+
+    @staticmethod
+    def in_rows(rows: Sequence[MediaRows | None], width: int, hidden: int) -> MediaRows:
+        """Each batch row's own media rows (None: a text-only row) as flat indices into a [len(rows), width] batch
+        (index = row * width + position): rows of different requests carry different media."""
+        present = [(row, media) for row, media in enumerate(rows) if media is not None and len(media.positions)]
+        if not present:
+            return MediaRows.none(hidden)
+        embeds = np.concatenate([media.embeds for _, media in present]).astype(np.float32, copy=False)
+        index = np.concatenate([row * width + media.positions for row, media in present]).astype(np.int64)
+        return MediaRows(embeds, index)
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {"media_embeds": self.embeds, "media_index": self.positions}

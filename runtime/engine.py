@@ -3,6 +3,11 @@
 An engine turns a validated request into one `Readout` per question, in two steps: `prepare` does everything that
 can refuse the request (prompts rendered, tokenized and checked on the media its encoder loaded, labels found)
 without running a graph, so a bad request is refused before it takes an inference slot; `run` runs the graphs.
+
+An engine whose questions are independent rows of one text graph (`shares_batches`) also splits its graphs' work
+so the scheduler (runtime/scheduler.py) can batch questions of different requests together: `encode_media` (the
+request's vision graph runs), `rows` (one `TextRow` per question) and `run_rows` (one graph call over rows of any
+requests). Its `run` is those three steps for one request, so both paths give the same numbers.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from ..models.family import Family, Labels, Readout
 from ..models.questions import Question
 from ..models.request import DecisionRequest
 from .artifact import Artifact
+from .batch import BatchBudget, TextRow
 from .media_encoder import LoadedMedia, MediaEncoder
 from .media_fetch import FetchPolicy
 from .prompt import RenderedPrompt
@@ -50,6 +56,8 @@ class Engine(ABC):
     session: GraphSession  # the text graph's
     unsupported: str | None = None  # why the model cannot serve decisions at all, if it cannot
     media: MediaEncoder[Any] | None = None  # how its images and videos are loaded and encoded, if it takes any
+    shares_batches: bool = False  # whether its questions' rows may share a graph call with other requests' rows
+    budget: BatchBudget | None = None  # the budget every text-graph call stays within (engines that share batches)
 
     @abstractmethod
     def __init__(self, artifact: Artifact, options: EngineOptions):
@@ -65,3 +73,21 @@ class Engine(ABC):
     def run(self, prepared: Prepared, run_options: Any = None) -> list[Readout]:
         """One readout per question, in question order. `run_options` (onnxruntime RunOptions) lets the caller
         stop the graph runs in flight."""
+
+    # -- rows that share batches across requests (engines with `shares_batches`) ----------------------------
+    def encode_media(self, prepared: Prepared, run_options: Any = None) -> Any:
+        """The vision graph's output for the request's media (None when it has none): one job per request, run
+        before its rows join a batch."""
+        raise NotImplementedError(f"{type(self).__name__} runs each request whole")
+
+    def rows(self, prepared: Prepared, encoded: Any) -> list[TextRow]:
+        """One row per question, in question order, on the request's encoded media; no graph runs."""
+        raise NotImplementedError(f"{type(self).__name__} runs each request whole")
+
+    def run_rows(self, rows: list[TextRow], run_options: Any = None) -> list[Readout]:
+        """One text-graph call over `rows` (of any requests, within `budget`); one readout per row, in order."""
+        raise NotImplementedError(f"{type(self).__name__} runs each request whole")
+
+    def probe_row(self, length: int) -> TextRow:
+        """A text-only row of `length` tokens, to time the text graph at start-up."""
+        raise NotImplementedError(f"{type(self).__name__} runs each request whole")

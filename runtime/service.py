@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..models.errors import DecisionError, ModelNotFound, NotSupported
+from ..models.family import Readout
 from ..models.questions import Question, parse_questions
 from ..models.request import DecisionRequest, parse_request
 from .artifact import Artifact
+from .batch_sizing import BatchSizing, measure_batch_rows
 from .deadline import Deadline
 from .engine import Engine, EngineOptions, Prepared
 from .media_allowance import MediaBudget
@@ -66,6 +68,7 @@ class DecisionService:
         self.engine: Engine = artifact.entry.load_engine()(artifact, options)
         self.media_limits = media_limits or MediaLimits()
         self.media_pool = MediaPool(media_workers, media_budget)
+        self._batch_sizing: BatchSizing | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -82,6 +85,12 @@ class DecisionService:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def batch_sizing(self) -> BatchSizing:
+        """How many rows a text-graph call takes on this device, measured once (runtime/batch_sizing.py)."""
+        if self._batch_sizing is None:
+            self._batch_sizing = measure_batch_rows(self.engine)
+        return self._batch_sizing
 
     # -- validation (spec 1.3 steps 1-8) ---------------------------------------------------------------------
     def validate(self, body: Any) -> tuple[DecisionRequest, list[Question]]:
@@ -137,10 +146,15 @@ class DecisionService:
 
     def answer(self, prepared: Prepared, header_request_id: str | None = None,
                run_options: Any = None) -> dict[str, Any]:
-        """Run a prepared request's graphs; each question's read, then its answer."""
-        readouts = self.engine.run(prepared, run_options)
+        """Run a prepared request's graphs on their own; its response."""
+        return self.respond(prepared, self.engine.run(prepared, run_options), header_request_id)
+
+    def respond(self, prepared: Prepared, readouts: list[Readout], header_request_id: str | None = None
+                ) -> dict[str, Any]:
+        """The response from the graphs' readouts (one per question, in order, however they were batched): each
+        question's read through its family, then its answer through its question type."""
         answers, diagnostics = {}, {}
-        for question, labels, readout in zip(prepared.questions, prepared.labels, readouts):
+        for question, labels, readout in zip(prepared.questions, prepared.labels, readouts, strict=True):
             read = self.family.read(question, labels, readout)
             answers[question.id] = question.answer(read)
             diagnostics[question.id] = {"label_mass": read.label_mass, "argmax_is_label": read.argmax_is_label}

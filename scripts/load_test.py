@@ -1,8 +1,8 @@
 """Bounded load test on loopback: `systemone serve` in a subprocess, then N concurrent clients, then 4x the
 server's configured capacity (running + queued). Reports answered, 503/429, failed, and latency percentiles.
 
-    python scripts/load_test.py ARTIFACT [--clients 64] [--requests-per-client 5] [--max-concurrency 1]
-        [--max-queue 16] [--out report.json]
+    python scripts/load_test.py ARTIFACT [--clients 64] [--requests-per-client 5] [--max-concurrency 64]
+        [--max-queue 64] [--out report.json]
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def main() -> None:
     parser.add_argument("artifact")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=5)
-    parser.add_argument("--max-concurrency", type=int, default=1)
-    parser.add_argument("--max-queue", type=int, default=16)
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=120.0, help="client timeout: a hang counts as failed")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -1,7 +1,8 @@
-"""Admission control: a bounded number of requests running inference, a bounded queue, and the request's deadline
-and client watched while it waits or runs (`watch`): past the deadline, or with the client gone, the request's
-deadline is cancelled, so everything it holds stops (fetches, the graph run) and its slot is given back. Past the
-bounds a request is refused at once (503 + Retry-After)."""
+"""Admission control: a bounded number of requests admitted to the scheduler at once (their questions share its
+batches), a bounded queue in front of it, and the request's deadline and client watched while it waits or runs
+(`watch`): past the deadline, or with the client gone, the request's deadline is cancelled, so everything it holds
+stops (fetches, its rows in the scheduler) and its slot is given back. Past the bounds a request is refused at once
+(503 + Retry-After)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ async def watch(work: Awaitable[T], deadline: Deadline, disconnected: Callable[[
 
 
 class Admission:
-    def __init__(self, max_running: int = 1, max_queued: int = 16, retry_after_s: int = 1):
+    def __init__(self, max_running: int = 64, max_queued: int = 64, retry_after_s: int = 1):
         if max_running < 1 or max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
         self.max_running, self.max_queued = max_running, max_queued
@@ -81,15 +82,12 @@ class Admission:
             self._slots.release()
 
     async def run(self, work: Callable[[], Awaitable[T]], deadline: Deadline,
-                  disconnected: Callable[[], Awaitable[bool]], on_abandon: Callable[[], None]) -> T:
+                  disconnected: Callable[[], Awaitable[bool]]) -> T:
         """Run `work` in a slot within the request's deadline while the client stays connected; when either
-        ends first, `on_abandon` stops the inference in flight and the slot is given back."""
+        ends first, the deadline is cancelled (the scheduler drops the request's rows and stops a graph call that
+        served only it) and the slot is given back."""
         async def in_slot() -> T:
             async with self.slot():
                 return await work()
 
-        unregister = deadline.on_cancel(on_abandon)
-        try:
-            return await watch(in_slot(), deadline, disconnected)
-        finally:
-            unregister()
+        return await watch(in_slot(), deadline, disconnected)

@@ -2,8 +2,9 @@
 5, 6; README).
 
 A request flows: auth -> body (size cap, zstd/gzip, JSON) and checks in the parsing pool -> media in the media
-pool (runtime/media_pool.py) -> prompts in the parsing pool -> admission (bounded running + queue) -> the graphs in
-a worker thread -> JSON. One deadline (--request-timeout) covers every step from the body's first byte; the
+pool (runtime/media_pool.py) -> prompts in the parsing pool -> admission (bounded running + queue) -> the
+scheduler's engine thread (runtime/scheduler.py: its questions batched with other requests') -> reads and answers
+-> JSON. One deadline (--request-timeout) covers every step from the body's first byte; the
 request's client is watched throughout. Anything a client sends ends in a JSON 2xx/4xx; 5xx means our bug (500) or a full
 or late server (503 + Retry-After).
 """
@@ -14,19 +15,22 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import onnxruntime as ort
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..models.errors import DecisionError, SchemaError
+from ..runtime.batch_sizing import BatchSizing
 from ..runtime.deadline import Deadline
 from ..runtime.engine import Prepared
+from ..runtime.scheduler import Scheduler
 from ..runtime.service import DecisionService
 from .admission import Admission, ClientGone, watch
 from .auth import Unauthorized, check_bearer
@@ -46,13 +50,15 @@ CLIENT_GONE_STATUS = 499  # nginx's "client closed request": logged and counted;
 @dataclass
 class ServerOptions:
     api_key: str | None = None
-    max_concurrency: int = 1
-    max_queue: int = 16
+    max_concurrency: int = 64  # requests admitted to the scheduler at once (their questions share batches)
+    max_queue: int = 64  # requests waiting for admission; past it 503 + Retry-After
     request_timeout_s: float = 60.0
     max_body_bytes: int = 64 << 20
     log_requests: bool = False
     parse_workers: int = 4  # threads that decode bodies, check requests and tokenize (never wait on media)
     max_parse_bytes: int = 64 << 20  # bodies being parsed and checked at once (server/parse_budget.py)
+    max_batch_rows: int | None = None  # rows a text-graph call; None: measured at start-up (runtime/batch_sizing.py)
+    batch_wait_ms: float = 1.0  # how long a call that could take more rows waits for them
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -69,7 +75,17 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     options = options or ServerOptions()
     # With an API key the interactive docs are off (they would describe the API to anyone); /metrics needs the key.
     docs = {} if options.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="systemone-onnx", version="0.1.0", **docs)
+    sizing = (service.batch_sizing() if options.max_batch_rows is None else BatchSizing(options.max_batch_rows))
+    scheduler = Scheduler(service.engine, sizing.rows, options.batch_wait_ms / 1000)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # uvicorn has let the requests in flight finish (their answers came from the scheduler); anything still
+        # queued finishes before the process ends.
+        await asyncio.to_thread(scheduler.close)
+
+    app = FastAPI(title="systemone-onnx", version="0.1.0", lifespan=lifespan, **docs)
     admission = Admission(options.max_concurrency, options.max_queue)
     parsing = ThreadPoolExecutor(options.parse_workers, thread_name_prefix="systemone-parse")
     parse_budget = ParseBudget(options.max_parse_bytes)
@@ -193,18 +209,18 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
         try:
             with parse_budget.hold(len(raw)):
                 prepared = await watch(prepare(), deadline, request.is_disconnected)
-            run_options = ort.RunOptions()
 
-            def stop() -> None:
-                run_options.terminate = True
+            async def answer() -> dict[str, Any]:
+                readouts = await asyncio.wrap_future(scheduler.submit(prepared, deadline))
+                return service.respond(prepared, readouts, request_id)
 
-            return await admission.run(
-                lambda: asyncio.to_thread(service.answer, prepared, request_id, run_options),
-                deadline, request.is_disconnected, stop)
+            return await admission.run(answer, deadline, request.is_disconnected)
         finally:
             deadline.cancel()  # whatever still runs for this request stops
 
     document_request_body(app)
     app.state.admission = admission
+    app.state.scheduler = scheduler
+    app.state.batch_sizing = sizing
     app.state.metrics = metrics
     return app

@@ -95,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                            log_requests=args.log_requests, max_parse_bytes=args.max_parse_bytes)
+                            log_requests=args.log_requests, max_parse_bytes=args.max_parse_bytes,
+                            max_batch_rows=args.max_batch_rows, batch_wait_ms=args.batch_wait_ms)
     # uvicorn's "trace" is below DEBUG and unknown to logging.basicConfig
     level = 5 if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -105,6 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service = _service(args)
     app = create_app(service, options)
     _print_summary(service, args)
+    print(f"systemone serve: {'batch rows':<13} {app.state.batch_sizing.describe()}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(args.request_timeout) + 5,
                 http=guarded_protocol(args.header_timeout, max_connections), limit_concurrency=max_connections,
@@ -247,6 +249,20 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or text
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -288,8 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "ignored")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="serve on a non-loopback address without an API key")
-    serve.add_argument("--max-concurrency", type=int, default=1, help="requests running inference at once")
-    serve.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot; more get 503")
+    serve.add_argument("--max-concurrency", type=int, default=64,
+                       help="requests admitted to the scheduler at once (their questions share batches)")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting for admission; more get 503")
+    serve.add_argument("--max-batch-rows", type=_positive_int, default=None,
+                       help="most questions one text-graph call takes (default: measured at start-up)")
+    serve.add_argument("--batch-wait-ms", type=_non_negative_float, default=1.0,
+                       help="how long a call that could take more questions waits for them")
     serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds a request may take (503 after)")
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
                        help="largest request body, compressed or decompressed (413 over it)")

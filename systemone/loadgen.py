@@ -15,6 +15,7 @@ import io
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -156,9 +157,10 @@ class LoadResult:
                 "non_200": {str(k): v for k, v in self.statuses.items() if k != 200}, "errors": dict(self.errors)}
 
 
-async def closed_loop(url: str, mix: RequestMix, clients: int, seconds: float, model: str | None = None
-                      ) -> LoadResult:
-    """`clients` connections, each sending its next request as soon as the last is answered, for `seconds`."""
+async def closed_loop(url: str, mix: RequestMix, clients: int, seconds: float, model: str | None = None,
+                      keep: Callable[[dict[str, Any], bytes], None] | None = None) -> LoadResult:
+    """`clients` connections, each sending its next request as soon as the last is answered, for `seconds`;
+    `keep(body, payload)` sees each answered request and its 200's payload."""
     result = LoadResult(seconds)
     deadline = time.monotonic() + seconds
     counter = iter(range(10**9))
@@ -173,7 +175,7 @@ async def closed_loop(url: str, mix: RequestMix, clients: int, seconds: float, m
                 payload = json.dumps(body).encode()
                 start = time.perf_counter()
                 try:
-                    status, _ = await http.post(payload)
+                    status, answer = await http.post(payload)
                 except (OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
                     result.errors[type(exc).__name__] += 1
                     await http.close()
@@ -182,6 +184,8 @@ async def closed_loop(url: str, mix: RequestMix, clients: int, seconds: float, m
                 if status == 200:
                     result.latencies.append(time.perf_counter() - start)
                     result.questions += len(body["questions"])
+                    if keep is not None:
+                        keep(body, answer)
         finally:
             await http.close()
 

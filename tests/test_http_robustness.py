@@ -146,21 +146,39 @@ def test_non_loopback_bind_needs_a_key_or_an_explicit_flag(d3_artifact, capsys, 
 
 
 # -- load: bounded slots and queue, time limit, disconnects, graceful shutdown ---------------------------------
+class GatedEngine:
+    """The real engine, whose graph calls wait for a gate: lets a test hold requests in flight in the scheduler."""
+
+    def __init__(self, engine, gate: threading.Event, started: threading.Semaphore):
+        self._engine, self.gate, self.started = engine, gate, started
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def _gated(self, work, *args, **kwargs):
+        self.started.release()
+        self.gate.wait(timeout=60)
+        return work(*args, **kwargs)
+
+    def run(self, *args, **kwargs):
+        return self._gated(self._engine.run, *args, **kwargs)
+
+    def run_rows(self, *args, **kwargs):
+        return self._gated(self._engine.run_rows, *args, **kwargs)
+
+
 class GatedService:
-    """The real service, whose inference waits for a gate: lets a test hold requests in flight."""
+    """The real service on a gated engine."""
 
     def __init__(self, service):
         self._service = service
         self.gate = threading.Event()
         self.started = threading.Semaphore(0)
+        service.batch_sizing()  # measured on the real engine, before the gate holds its calls
+        self.engine = GatedEngine(service.engine, self.gate, self.started)
 
     def __getattr__(self, name):
         return getattr(self._service, name)
-
-    def answer(self, *args, **kwargs):
-        self.started.release()
-        self.gate.wait(timeout=60)
-        return self._service.answer(*args, **kwargs)
 
 
 def test_full_server_answers_503_with_retry_after_at_once(d3_service):

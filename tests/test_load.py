@@ -12,10 +12,12 @@ from systemone.server.app import ServerOptions
 from tests.live_server import live_server
 
 
-@pytest.mark.parametrize("max_queue", [4])
-def test_load_is_answered_or_refused_cleanly(d3_service, max_queue):
-    capacity = 1 + max_queue
-    with live_server(d3_service, ServerOptions(max_concurrency=1, max_queue=max_queue)) as url:
+@pytest.mark.parametrize("max_concurrency, max_queue, max_batch_rows", [(1, 4, 1), (4, 4, 4)])
+def test_load_is_answered_or_refused_cleanly(d3_service, max_concurrency, max_queue, max_batch_rows):
+    """One request at a time, and four admitted to the scheduler whose questions share calls of up to 4 rows."""
+    capacity = max_concurrency + max_queue
+    with live_server(d3_service, ServerOptions(max_concurrency=max_concurrency, max_queue=max_queue,
+                                               max_batch_rows=max_batch_rows)) as url:
         for clients, per_client in ((64, 2), (4 * capacity, 3)):
             report = asyncio.run(phase(url, clients, per_client, timeout=120))
             assert report["failed"] == 0 and report["other_5xx"] == 0, report

@@ -10,8 +10,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from systemone.runtime.batch import BatchBudget
-from systemone.runtime.d3.code_logits import CodeLogitsRunner, code_logit_feeds, text_positions
+from systemone.runtime.batch import BatchBudget, MediaRows, TextRow
+from systemone.runtime.d3.code_logits import CodeLogitsRunner, code_logit_feeds, row_feeds, text_positions
 from systemone.runtime.devices import ProviderUnavailable, pick_providers
 from systemone.runtime.session import resolve_providers
 
@@ -142,3 +142,15 @@ def test_ask_prints_the_error_body_and_fails_on_a_bad_request(d3_artifact, tmp_p
     request.write_text(json.dumps({"state": 1, "questions": {}}))
     assert main(["ask", str(d3_artifact), "--request", str(request), "--device", "cpu"]) == 1
     assert json.loads(capsys.readouterr().out)["error"]["message"] == "questions: needs at least one question"
+
+
+def test_each_row_carries_its_own_media_rows():
+    """Rows of different requests share a batch: each row's vision rows land at its own positions (flat index
+    row * width + position), and a text-only row gets none."""
+    a = MediaRows(np.full((2, 3), 1.0, np.float32), np.array([1, 2]))
+    b = MediaRows(np.full((1, 3), 2.0, np.float32), np.array([0]))
+    feeds = row_feeds([TextRow([1] * 4, text_positions(4), a), TextRow([2] * 2), TextRow([3] * 3, None, b)], 3)
+    assert feeds["media_index"].tolist() == [1, 2, 2 * 4 + 0]
+    assert feeds["media_embeds"][:, 0].tolist() == [1.0, 1.0, 2.0]
+    none = row_feeds([TextRow([1])], 3)
+    assert none["media_embeds"].shape == (0, 3) and none["media_index"].shape == (0,)

@@ -1,5 +1,5 @@
-"""The d3 text graph's run: token-id prompts with their M-RoPE positions -> the readout's code logits at each
-prompt's last token, in padded sub-batches within the batch budget."""
+"""The d3 text graph's run: rows (token ids, M-RoPE positions, each row's own media rows) -> the readout's code
+logits at each row's last token. One call is one right-padded batch; rows of different requests may share it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..batch import BatchBudget, MediaRows, pad_right
+from ..batch import BatchBudget, MediaRows, TextRow, pad_right
 from ..session import GraphSession
 
 
@@ -18,14 +18,22 @@ def text_positions(length: int) -> np.ndarray:
 
 def code_logit_feeds(prompts: Sequence[Sequence[int]], positions: Sequence[np.ndarray], media: MediaRows | None,
                      hidden: int) -> dict[str, np.ndarray]:
-    """One right-padded [B, L] batch with its mask, [3, B, L] positions and the media rows in every row."""
-    ids, mask = pad_right(prompts)
+    """One request's prompts as one batch (`row_feeds`), its media rows in every row (spec 4.8: the media prefix is
+    shared)."""
+    return row_feeds([TextRow(p, pos, media) for p, pos in zip(prompts, positions, strict=True)], hidden)
+
+
+def row_feeds(rows: Sequence[TextRow], hidden: int) -> dict[str, np.ndarray]:
+    """One right-padded [B, L] batch with its mask, [3, B, L] positions (text positions where a row has none) and
+    each row's own media rows at that row's positions (rows of different requests carry different media)."""
+    ids, mask = pad_right([row.token_ids for row in rows])
     batch, width = ids.shape
     pos = np.zeros((3, batch, width), dtype=np.int64)
-    for row, position in enumerate(positions):
-        pos[:, row, :position.shape[1]] = position
-    rows = MediaRows.none(hidden) if media is None else media.in_every_row(batch, width)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **rows.feeds()}
+    for index, row in enumerate(rows):
+        position = row.positions if row.positions is not None else text_positions(row.length)
+        pos[:, index, :position.shape[1]] = position
+    media = MediaRows.in_rows([row.media for row in rows], width, hidden)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **media.feeds()}
 
 
 class CodeLogitsRunner:
@@ -34,16 +42,25 @@ class CodeLogitsRunner:
         self.budget = budget
         self.hidden = hidden
 
+    def run_batch(self, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
+        """One graph call: code logits [len(rows), n_codes] float32, in row order."""
+        (logits,) = self.session.run(row_feeds(rows, self.hidden), run_options)
+        return logits
+
     def run(self, prompts: Sequence[Sequence[int]], run_options=None, positions: Sequence[np.ndarray] | None = None,
             media: MediaRows | None = None) -> np.ndarray:
-        """Code logits [len(prompts), n_codes] float32, in prompt order. Positions default to text positions;
-        `media` rows sit at the same positions in every prompt (spec 4.8: the media prefix is shared)."""
+        """One request's code logits [len(prompts), n_codes], in prompt order. Positions default to text
+        positions; `media` rows sit at the same positions in every prompt (spec 4.8: the media prefix is
+        shared)."""
         if positions is None:
             positions = [text_positions(len(p)) for p in prompts]
-        out: list[np.ndarray | None] = [None] * len(prompts)
-        for group in self.budget.plan([len(p) for p in prompts]):
-            feeds = code_logit_feeds([prompts[i] for i in group], [positions[i] for i in group], media, self.hidden)
-            (logits,) = self.session.run(feeds, run_options)
-            for row, index in enumerate(group):
-                out[index] = logits[row]
+        return self.run_rows([TextRow(p, pos, media) for p, pos in zip(prompts, positions, strict=True)], run_options)
+
+    def run_rows(self, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
+        """Code logits [len(rows), n_codes] float32, in row order, in padded sub-batches within the budget."""
+        out: list[np.ndarray | None] = [None] * len(rows)
+        for group in self.budget.plan([row.length for row in rows]):
+            logits = self.run_batch([rows[i] for i in group], run_options)
+            for position, index in enumerate(group):
+                out[index] = logits[position]
         return np.stack(out)

@@ -13,7 +13,7 @@ from ...models.family import Readout
 from ...models.questions import Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
-from ..batch import BatchBudget, MediaRows
+from ..batch import BatchBudget, MediaRows, TextRow
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
@@ -32,6 +32,8 @@ class D3Media:
 
 
 class D3Engine(Engine):
+    shares_batches = True  # every question is one independent row of the text graph
+
     def __init__(self, artifact: Artifact, options: EngineOptions):
         fields = artifact.manifest.model
         self.artifact = artifact
@@ -98,10 +100,25 @@ class D3Engine(Engine):
         return Prepared(request, questions, prompts, labels, prepared_media)
 
     def run(self, prepared: Prepared, run_options: Any = None) -> list[Readout]:
+        rows = self.rows(prepared, self.encode_media(prepared, run_options))
+        return self._readouts(self.runner.run_rows(rows, run_options))
+
+    def encode_media(self, prepared: Prepared, run_options: Any = None) -> MediaRows | None:
+        """The vision rows of the request's media at their prompt positions (the same in every question)."""
         media: D3Media | None = prepared.media
-        rows = None
-        if media is not None:
-            rows = MediaRows(self.media.encode(media.loaded, run_options), media.positions)
-        prompts = prepared.prompts
-        logits = self.runner.run([p.token_ids for p in prompts], run_options, [p.positions for p in prompts], rows)
+        if media is None:
+            return None
+        return MediaRows(self.media.encode(media.loaded, run_options), media.positions)
+
+    def rows(self, prepared: Prepared, encoded: MediaRows | None) -> list[TextRow]:
+        return [TextRow(p.token_ids, p.positions, encoded) for p in prepared.prompts]
+
+    def run_rows(self, rows: list[TextRow], run_options: Any = None) -> list[Readout]:
+        return self._readouts(self.runner.run_batch(rows, run_options))
+
+    def probe_row(self, length: int) -> TextRow:
+        return TextRow([0] * length, text_positions(length))
+
+    @staticmethod
+    def _readouts(logits: np.ndarray) -> list[Readout]:
         return [Readout(dict(enumerate(row.tolist()))) for row in logits]

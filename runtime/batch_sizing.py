@@ -1,0 +1,63 @@
+"""How many rows one text-graph call takes on this device, chosen from a measurement at start-up.
+
+Batching pays where the device has parallel work to spare (a GPU) and costs where it has not (the tiny d3 graph on
+two CPU cores: one question alone took 7.8 ms, 16.2 ms a question in a batch of 16). So the scheduler does not
+guess: the text graph is timed at 1, 2, 4, ... rows of a typical length, and the largest batch that still raised
+questions/s by a clear margin is kept.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .engine import Engine
+
+TYPICAL_LENGTH = 128  # tokens a row while timing: about a short state and one question
+MOST_ROWS = 64
+# A larger batch is kept only if it raises questions/s by this much: timing noise on a shared machine is a few %.
+MIN_GAIN = 1.05
+REPEATS = 3  # timed runs a batch size (the fastest counts), after one untimed run of the new shape
+TIME_LIMIT_S = 5.0  # the measurement stops trying larger batches past this
+
+
+@dataclass(frozen=True)
+class BatchSizing:
+    rows: int
+    length: int = TYPICAL_LENGTH
+    seconds: dict[int, float] = field(default_factory=dict)  # one call's fastest time at each batch size tried
+
+    def describe(self) -> str:
+        if not self.seconds:
+            return f"{self.rows} (set by flag, or the engine runs each request whole)"
+        tried = ", ".join(f"{b}: {s * 1000 / b:.2f}" for b, s in self.seconds.items())
+        return f"{self.rows} (measured at {self.length} tokens, ms a question by rows a call: {tried})"
+
+
+def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int = MOST_ROWS,
+                       time_limit_s: float = TIME_LIMIT_S) -> BatchSizing:
+    """The most rows a call that still raise questions/s on `engine`'s device (1 for engines that run each request
+    whole)."""
+    if not engine.shares_batches or engine.budget is None:
+        return BatchSizing(1)
+    length = min(length, engine.max_model_len)
+    seconds: dict[int, float] = {}
+    best, batch = 1, 1
+    started = time.perf_counter()
+    while batch <= most and engine.budget.fits(batch, length):
+        rows = [engine.probe_row(length)] * batch
+        engine.run_rows(rows)  # a shape's first run pays for its allocations
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            engine.run_rows(rows)
+            times.append(time.perf_counter() - start)
+        seconds[batch] = min(times)
+        if batch > 1:
+            if batch / seconds[batch] < MIN_GAIN * best / seconds[best]:
+                break
+            best = batch
+        if time.perf_counter() - started > time_limit_s:
+            break
+        batch *= 2
+    return BatchSizing(best, length, seconds)

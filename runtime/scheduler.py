@@ -1,0 +1,289 @@
+"""The engine's turn: one thread runs every graph call of the server, fed by a queue of admitted requests.
+
+Requests arrive prepared (checked, media loaded, prompts tokenized). In the engine thread:
+
+- an engine that does not share batches (d1: each request's prefix prefill is its own state) runs each request
+  whole, as one job;
+- otherwise a request with media first runs its vision graph, as a job of its own; then its rows join the queue
+  (a text-only request's rows join at once);
+- rows of different requests share padded text-graph calls. Rows are taken in start-time fair order: a request
+  arriving when the scheduler's virtual time is V has its rows at V, V+1, V+2, ... (V is the place of the last row
+  taken), ties in arrival order. So requests waiting together take turns row by row: a request of 64 questions
+  cannot hold back a one-question request that arrives after it, and a stream of new requests cannot hold back
+  the later rows of one already waiting. The first row in that order anchors the call; later ones join it while it has fewer than `batch_rows` rows, their
+  lengths stay within FILL of its longest (padding costs as much as real tokens) and it fits the engine's budget
+  (padded tokens and attention memory). While the call could take more rows, it waits up to `batch_wait_s` after
+  its rows became ready for other requests' rows to arrive.
+
+A request is answered when its last row returns. A request whose deadline has passed, or that was abandoned (its
+client left, its time ran out: `Deadline.cancel`), has its waiting rows dropped; a call in flight is stopped
+(onnxruntime's `RunOptions.terminate`) only when every request in it is gone, so batch mates still get their
+answers. `close` lets every request already submitted finish, then ends the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnxruntime as ort
+
+from ..models.errors import Unavailable
+from ..models.family import Readout
+from .batch import TextRow
+from .deadline import Deadline
+from .engine import Engine, Prepared
+
+# The shortest row of a call is at least this fraction of its longest: a row much shorter waits for a call of its
+# own rather than pay for the padding.
+FILL = 0.5
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One submitted request: its rows waiting, its readouts so far, and the future its caller awaits."""
+
+    prepared: Prepared
+    deadline: Deadline
+    future: Future
+    arrival: int
+    stage: str  # "whole" (one job), "media" (its vision job first), "rows" (rows queued or in flight)
+    pending: deque[tuple[int, TextRow]] = field(default_factory=deque)
+    readouts: list[Readout | None] = field(default_factory=list)
+    start: int = 0  # the scheduler's virtual time when it arrived: its first row's place in the order
+    taken: int = 0  # rows taken into calls so far
+    ready_at: float = 0.0  # when its rows joined the queue
+
+    @property
+    def gone(self) -> bool:
+        return self.deadline.expired() or self.future.cancelled()
+
+    def key(self, offset: int = 0) -> tuple[int, int]:
+        """The place of its row `taken + offset` in the order rows are taken: (virtual time, arrival)."""
+        return (self.start + self.taken + offset, self.arrival)
+
+
+@dataclass
+class _Call:
+    """The work in flight: which requests it serves and the options that stop it."""
+
+    tickets: list[_Ticket]
+    options: Any
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, batch_rows: int = 1, batch_wait_s: float = 0.001):
+        if batch_rows < 1 or batch_wait_s < 0:
+            raise ValueError(f"batch_rows must be >= 1 (got {batch_rows}) and batch_wait_s >= 0 (got {batch_wait_s})")
+        self.engine = engine
+        self.batch_rows = batch_rows
+        self.batch_wait_s = batch_wait_s
+        self._cond = threading.Condition()
+        self._tickets: list[_Ticket] = []
+        self._arrivals = 0
+        self._virtual = 0  # the virtual time of the last row taken (start-time fair queueing)
+        self._in_flight: _Call | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # -- the callers' side -------------------------------------------------------------------------------------
+    def submit(self, prepared: Prepared, deadline: Deadline) -> Future[list[Readout]]:
+        """Queue a prepared request; the future gives one readout per question, in question order. Cancelling the
+        future or the deadline drops the request's rows."""
+        future: Future[list[Readout]] = Future()
+        with self._cond:
+            if self._closing:
+                raise Unavailable("the server is shutting down; retry later")
+            self._arrivals += 1
+            ticket = _Ticket(prepared, deadline, future, self._arrivals, self._first_stage(prepared),
+                             start=self._virtual, readouts=[None] * len(prepared.questions))
+            if ticket.stage == "rows":
+                self._queue_rows(ticket, self.engine.rows(prepared, None))
+            self._tickets.append(ticket)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="systemone-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        unregister = deadline.on_cancel(lambda: self._on_gone())
+        future.add_done_callback(lambda done: self._on_gone() if done.cancelled() else unregister())
+        return future
+
+    def close(self, timeout: float | None = None) -> None:
+        """Take no new request; let every submitted one finish, then end the engine thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet answered."""
+        with self._cond:
+            return len(self._tickets)
+
+    def _first_stage(self, prepared: Prepared) -> str:
+        if not self.engine.shares_batches:
+            return "whole"
+        return "rows" if prepared.media is None else "media"
+
+    def _queue_rows(self, ticket: _Ticket, rows: list[TextRow]) -> None:
+        ticket.pending = deque(enumerate(rows))
+        ticket.stage = "rows"
+        ticket.ready_at = time.monotonic()
+
+    def _on_gone(self) -> None:
+        """A request was abandoned: wake the engine thread to drop its rows, and stop the call in flight when it
+        served nobody else."""
+        with self._cond:
+            call = self._in_flight
+            if call is not None and all(t.gone for t in call.tickets):
+                call.options.terminate = True
+            self._cond.notify()
+
+    # -- the engine thread -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while (job := self._next_job()) is not None:
+            job()
+
+    def _next_job(self) -> Callable[[], None] | None:
+        with self._cond:
+            while True:
+                for ticket in [t for t in self._tickets if t.gone]:
+                    self._finish(ticket, error=ticket.deadline.error())
+                if not self._tickets:
+                    if self._closing:
+                        self._thread = None
+                        return None
+                    self._cond.wait()
+                    continue
+                job, wait_s = self._pick()
+                if job is not None:
+                    return job
+                self._cond.wait(wait_s)
+
+    def _pick(self) -> tuple[Callable[[], None] | None, float | None]:
+        """The next job, or how long to wait for more rows to join a call that is not full yet."""
+        jobs = [t for t in self._tickets if t.stage in ("whole", "media")]
+        first_job = min(jobs, key=_Ticket.key, default=None)
+        candidates = sorted(((t.key(i), t, i) for t in self._tickets if t.stage == "rows"
+                             for i in range(min(len(t.pending), self.batch_rows))), key=lambda c: c[0])
+        if first_job is not None and (not candidates or first_job.key() <= candidates[0][0]):
+            first_job.stage = "running"
+            self._virtual = max(self._virtual, first_job.key()[0])
+            return self._job(first_job), 0.0
+        if not candidates:  # every request's work is in flight
+            return None, None
+        call, full = self._group([(t, i) for _, t, i in candidates])
+        ready = min(t.ready_at for t, _ in call)
+        wait_s = ready + self.batch_wait_s - time.monotonic()
+        if not full and wait_s > 0 and not self._closing:
+            return None, wait_s
+        taken: list[tuple[_Ticket, int, TextRow]] = []
+        for ticket, _ in call:
+            self._virtual = max(self._virtual, ticket.key()[0])
+            index, row = ticket.pending.popleft()  # a ticket's rows are taken in order: candidates ran in order
+            ticket.taken += 1
+            taken.append((ticket, index, row))
+        return self._batch(taken), 0.0
+
+    def _group(self, candidates: list[tuple[_Ticket, int]]) -> tuple[list[tuple[_Ticket, int]], bool]:
+        """The anchor and the candidates that join it, and whether the call is full (no more rows, or the budget
+        refused one)."""
+        def length(candidate: tuple[_Ticket, int]) -> int:
+            ticket, offset = candidate
+            return ticket.pending[offset][1].length
+
+        budget = self.engine.budget
+        call = [candidates[0]]
+        longest = shortest = length(candidates[0])
+        next_offset = {candidates[0][0]: 1}
+        full = False
+        for candidate in candidates[1:]:
+            if len(call) == self.batch_rows:
+                break
+            ticket, offset = candidate
+            if next_offset.get(ticket, 0) != offset:
+                continue  # an earlier row of this request stayed out: its rows go in order
+            n = length(candidate)
+            wide, narrow = max(longest, n), min(shortest, n)
+            if narrow < FILL * wide:
+                continue
+            if budget is not None and not budget.fits(len(call) + 1, wide):
+                full = True
+                continue
+            call.append(candidate)
+            next_offset[ticket] = offset + 1
+            longest, shortest = wide, narrow
+        return call, full or len(call) == self.batch_rows
+
+    def _job(self, ticket: _Ticket) -> Callable[[], None]:
+        def run() -> None:
+            options = self._start([ticket])
+            rows: list[TextRow] = []
+            try:
+                if not self.engine.shares_batches:
+                    readouts = self.engine.run(ticket.prepared, options)
+                else:
+                    rows = self.engine.rows(ticket.prepared, self.engine.encode_media(ticket.prepared, options))
+                    readouts = None
+            except Exception as exc:  # noqa: BLE001 - the request's caller gets it (a stopped run included)
+                with self._cond:
+                    self._in_flight = None
+                    self._finish(ticket, error=exc)
+                return
+            with self._cond:
+                self._in_flight = None
+                if readouts is not None:
+                    ticket.readouts = list(readouts)
+                    self._finish(ticket)
+                else:
+                    self._queue_rows(ticket, rows)
+        return run
+
+    def _batch(self, taken: list[tuple[_Ticket, int, TextRow]]) -> Callable[[], None]:
+        def run() -> None:
+            tickets = list(dict.fromkeys(t for t, _, _ in taken))
+            options = self._start(tickets)
+            try:
+                readouts = self.engine.run_rows([row for _, _, row in taken], options)
+            except Exception as exc:  # noqa: BLE001 - every request in the call gets it
+                with self._cond:
+                    self._in_flight = None
+                    for ticket in tickets:
+                        self._finish(ticket, error=exc)
+                return
+            with self._cond:
+                self._in_flight = None
+                for (ticket, index, _), readout in zip(taken, readouts, strict=True):
+                    ticket.readouts[index] = readout
+                for ticket in tickets:
+                    if ticket in self._tickets and not ticket.pending and all(r is not None for r in ticket.readouts):
+                        self._finish(ticket)
+        return run
+
+    def _start(self, tickets: list[_Ticket]) -> Any:
+        options = ort.RunOptions()
+        with self._cond:
+            self._in_flight = _Call(tickets, options)
+        return options
+
+    def _finish(self, ticket: _Ticket, error: BaseException | None = None) -> None:
+        """Answer (or fail) a request and forget it; its caller may have gone already."""
+        if ticket in self._tickets:
+            self._tickets.remove(ticket)
+        if ticket.gone:  # whatever stopped its work, the request was abandoned first
+            error = ticket.deadline.error()
+        try:
+            if error is not None:
+                ticket.future.set_exception(error)
+            else:
+                ticket.future.set_result([r for r in ticket.readouts if r is not None])
+        except InvalidStateError:  # the caller cancelled the future
+            pass

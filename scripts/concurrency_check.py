@@ -1,0 +1,129 @@
+"""Concurrency on CPU (README "Serving under load"): `systemone serve` at its default flags on an artifact, then one
+client and 16 clients in a closed loop (systemone/loadgen.py, the seeds' mix) side by side in rounds, and a sample
+of the 16-client answers sent again one at a time. Reports requests/s at each count, their ratio (median over the
+rounds) and the largest probability difference, and writes the JSON report.
+
+    python scripts/concurrency_check.py ARTIFACT [--seconds 10] [--rounds 2] [--kinds text,json,choice40]
+        [--sample 100] [--out scripts/results/concurrency_cpu_d3_tiny.json] [-- extra serve flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from systemone.loadgen import KINDS, HttpClient, RequestMix, closed_loop
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def probabilities(payload: bytes) -> dict[tuple[str, str], float]:
+    answers = json.loads(payload)["answers"]
+    return {(q, k): p for q, a in answers.items() for k, p in a["probabilities"].items()}
+
+
+async def one_at_a_time(url: str, kept: list[tuple[dict[str, Any], bytes]]) -> float:
+    """Each kept body sent again alone; the largest |probability difference| from its answer under load."""
+    client = HttpClient(url)
+    worst = 0.0
+    try:
+        for body, loaded in kept:
+            status, alone = await client.post(json.dumps(body).encode())
+            if status != 200:
+                raise RuntimeError(f"one-at-a-time resend got {status}: {alone[:200]!r}")
+            want, got = probabilities(alone), probabilities(loaded)
+            if want.keys() != got.keys():
+                raise RuntimeError("the same body got different questions or options")
+            worst = max(worst, max(abs(want[k] - got[k]) for k in want))
+    finally:
+        await client.close()
+    return worst
+
+
+def wait_ready(base: str, server: subprocess.Popen, within_s: float = 300) -> None:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError("the server did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact")
+    parser.add_argument("--family", default="d3")
+    parser.add_argument("--seconds", type=float, default=10.0, help="each phase's closed loop")
+    parser.add_argument("--rounds", type=int, default=2, help="1-client and 16-client phases, alternated")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--kinds", default="text,json,choice40", help=f"of {','.join(KINDS)}")
+    parser.add_argument("--sample", type=int, default=100, help="16-client answers checked one at a time")
+    parser.add_argument("--out", default=None)
+    args, serve_flags = parser.parse_known_args()
+    kinds = tuple(args.kinds.split(","))
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu", "--port", str(port),
+               "--log-level", "warning", *[f for f in serve_flags if f != "--"]]
+    server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                              text=True)
+    url = base + "/v1/systemone"
+    runs: list[dict[str, Any]] = []
+    kept: list[tuple[dict[str, Any], bytes]] = []
+
+    def keep(body: dict[str, Any], payload: bytes) -> None:
+        if len(kept) < args.sample:
+            kept.append((body, payload))
+
+    try:
+        wait_ready(base, server)
+        for round_ in range(args.rounds):
+            for clients in (1, args.clients):
+                mix = RequestMix(args.family, round_, kinds)
+                result = asyncio.run(closed_loop(url, mix, clients, args.seconds,
+                                                 keep=keep if clients > 1 else None))
+                runs.append({"round": round_, "clients": clients, **result.summary()})
+                print(json.dumps(runs[-1]), flush=True)
+        worst = asyncio.run(one_at_a_time(url, kept))
+    finally:
+        server.terminate()
+        startup, _ = server.communicate(timeout=120)
+    rps = {n: median(r["requests_per_s"] for r in runs if r["clients"] == n) for n in (1, args.clients)}
+    report = {
+        "command": " ".join(["python", *sys.argv]),
+        "serve": " ".join(command[2:]),
+        "startup": [line for line in startup.splitlines() if line.startswith("systemone serve:")],
+        "kinds": list(kinds), "seconds_each": args.seconds, "rounds": args.rounds,
+        "requests_per_s": {str(n): v for n, v in rps.items()},
+        "ratio": rps[args.clients] / rps[1],
+        "answers_checked": len(kept), "max_abs_prob_diff": worst,
+        "non_200": sum(sum(r["non_200"].values()) for r in runs),
+        "runs": runs,
+    }
+    print(json.dumps({k: report[k] for k in ("requests_per_s", "ratio", "answers_checked", "max_abs_prob_diff",
+                                             "non_200")}, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The scheduler (README "Serving under load", docs/architecture.md): questions of concurrent requests share padded
+text-graph calls in one engine thread; a question's answer does not depend on its batch mates; a big request does
+not starve small ones; an abandoned request's rows are dropped while its batch mates are answered; a call in flight
+is stopped only when nobody in it is waiting; closing lets every submitted request finish."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from systemone.models.errors import TimedOut, Unavailable
+from systemone.models.family import Readout
+from systemone.runtime.batch import BatchBudget, TextRow
+from systemone.runtime.deadline import Deadline
+from systemone.runtime.engine import Engine, Prepared
+from systemone.runtime.scheduler import Scheduler
+from systemone.server.app import ServerOptions
+from tests.live_server import live_server
+from tests.media_helpers import data_url, gradient_png
+
+NOUL = {"type": "noul", "instructions": "Is it urgent?"}
+CHOICE = {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "money", "support": None}}
+SCORE = {"type": "score", "criteria": ["calm", "annoyed", "furious"]}
+
+
+def body(state: str, count: int, **extra) -> dict:
+    kinds = (NOUL, CHOICE, SCORE)
+    return {"state": state, "questions": {f"q{i}": kinds[i % 3] for i in range(count)}, **extra}
+
+
+class Recording:
+    """The real engine, recording how many rows each text-graph call took."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self.calls: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def run_rows(self, rows, run_options=None):
+        self.calls.append(len(rows))
+        return self._engine.run_rows(rows, run_options)
+
+
+def probabilities(answer: dict) -> dict[tuple[str, str], float]:
+    return {(q, k): p for q, a in answer["answers"].items() for k, p in a["probabilities"].items()}
+
+
+def test_an_answer_does_not_depend_on_its_batch_mates(d3_service):
+    """The same questions answered one request at a time, and submitted together so that they share calls with
+    other requests' questions of other lengths and with an image request's rows: probabilities within 1e-5."""
+    bodies = [body("short", 2), body("a much longer state, " * 12, 3),
+              body("with a picture", 2, images=[data_url(gradient_png(96, 80))]), body("mid " * 20, 1),
+              body("x", 3)]
+    prepared = [d3_service.prepare(b) for b in bodies]
+    alone = [d3_service.answer(p) for p in prepared]
+    engine = Recording(d3_service.engine)
+    scheduler = Scheduler(engine, batch_rows=16, batch_wait_s=0.3)
+    futures = [scheduler.submit(p, Deadline()) for p in prepared]
+    together = [d3_service.respond(p, f.result(timeout=60)) for p, f in zip(prepared, futures)]
+    scheduler.close()
+    assert max(engine.calls) >= 4, engine.calls  # requests really shared calls, the image request's rows included
+    for one, shared in zip(alone, together):
+        want, got = probabilities(one), probabilities(shared)
+        assert want.keys() == got.keys()
+        assert max(abs(want[k] - got[k]) for k in want) <= 1e-5
+
+
+def test_concurrent_http_requests_share_graph_calls(d3_service):
+    """16 clients at once, one question each, at most 8 rows a call: fewer text-graph calls than questions, and
+    every answer equals the one-at-a-time answer."""
+    bodies = [body(f"ticket {i}: " + "late parcel " * (i % 4), 1) for i in range(16)]
+    alone = [d3_service.decide(b) for b in bodies]
+    with live_server(d3_service, ServerOptions(max_batch_rows=8, batch_wait_ms=50)) as url:
+        before = d3_service.engine.session.runs
+
+        async def clients():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                return await asyncio.gather(*(client.post("/v1/systemone", json=b) for b in bodies))
+
+        responses = asyncio.run(clients())
+        calls = d3_service.engine.session.runs - before
+    assert [r.status_code for r in responses] == [200] * 16
+    assert calls < 16, calls
+    for one, response in zip(alone, responses):
+        want, got = probabilities(one), probabilities(response.json())
+        assert max(abs(want[k] - got[k]) for k in want) <= 1e-5
+
+
+def test_a_big_request_does_not_starve_a_small_one(d3_service):
+    """A 64-question request, then a one-question request: with 2 rows a call, the small one is answered while
+    the big one still has most of its questions to run (first in first out would answer it after all 32 calls)."""
+    engine = Recording(d3_service.engine)
+    scheduler = Scheduler(engine, batch_rows=2, batch_wait_s=0.0)
+    big = d3_service.prepare(body("the same state", 64))
+    small = d3_service.prepare(body("the same state", 1))
+    done: list[str] = []
+    big_future = scheduler.submit(big, Deadline())
+    big_future.add_done_callback(lambda _: done.append("big"))
+    small_future = scheduler.submit(small, Deadline())
+    small_future.add_done_callback(lambda _: done.append(f"small after {len(engine.calls)} calls"))
+    assert len(small_future.result(timeout=60)) == 1 and len(big_future.result(timeout=60)) == 64
+    scheduler.close()
+    assert done[0].startswith("small") and int(done[0].split()[2]) <= 2, done
+    assert done[1] == "big" and sum(engine.calls) == 65 and max(engine.calls) == 2
+
+
+def test_an_abandoned_requests_rows_are_dropped_and_its_batch_mates_answered(d3_service):
+    engine = Recording(d3_service.engine)
+    scheduler = Scheduler(engine, batch_rows=16, batch_wait_s=0.3)
+    gone, stays = Deadline(), Deadline()
+    leaving = scheduler.submit(d3_service.prepare(body("leaving", 3)), gone)
+    staying_request = d3_service.prepare(body("staying", 2))
+    staying = scheduler.submit(staying_request, stays)
+    gone.cancel()  # its client left while its rows waited for the call to fill
+    expired = scheduler.submit(d3_service.prepare(body("too late", 4)), Deadline(0.0))
+    readouts = staying.result(timeout=60)
+    scheduler.close()
+    with pytest.raises(TimedOut):
+        leaving.result(timeout=1)
+    with pytest.raises(TimedOut):
+        expired.result(timeout=1)
+    assert sum(engine.calls) == 2  # only the staying request's rows ran
+    assert probabilities(d3_service.respond(staying_request, readouts)) == pytest.approx(
+        probabilities(d3_service.answer(staying_request)), abs=1e-5)
+
+
+# -- the mechanics, on an engine whose calls the test controls ---------------------------------------------------
+class HeldEngine(Engine):
+    """Rows of one token a question; each call waits until the test releases it or the call is stopped."""
+
+    shares_batches = True
+    budget = BatchBudget()
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.entered = threading.Semaphore(0)
+        self.stopped: list[bool] = []
+
+    def prepare(self, request, questions, media=None):
+        raise NotImplementedError
+
+    def run(self, prepared, run_options=None):
+        raise NotImplementedError
+
+    def rows(self, prepared, encoded):
+        return [TextRow([1]) for _ in prepared.questions]
+
+    def run_rows(self, rows, run_options=None):
+        self.entered.release()
+        while not self.release.wait(0.01):
+            if run_options.terminate:
+                self.stopped.append(True)
+                raise RuntimeError("Exiting due to terminate flag being set to true.")
+        self.stopped.append(False)
+        return [Readout({0: 1.0}) for _ in rows]
+
+
+def held(count: int) -> Prepared:
+    return Prepared(None, list(range(count)), [], [])
+
+
+def test_a_call_in_flight_stops_only_when_every_request_in_it_is_gone():
+    engine = HeldEngine()
+    scheduler = Scheduler(engine, batch_rows=4, batch_wait_s=0.2)
+    a, b = Deadline(), Deadline()
+    fa, fb = scheduler.submit(held(1), a), scheduler.submit(held(1), b)
+    assert engine.entered.acquire(timeout=10)  # both rows are in one call now
+    a.cancel()
+    time.sleep(0.1)
+    assert engine.stopped == []  # b still waits for its answer: the call goes on
+    engine.release.set()
+    assert len(fb.result(timeout=10)) == 1
+    with pytest.raises(TimedOut):
+        fa.result(timeout=1)
+
+    engine.release.clear()
+    alone = Deadline()
+    fc = scheduler.submit(held(2), alone)
+    assert engine.entered.acquire(timeout=10)
+    alone.cancel()  # nobody in the call waits any more: it is stopped
+    with pytest.raises(TimedOut):
+        fc.result(timeout=10)
+    assert engine.stopped == [False, True]
+    engine.release.set()
+    scheduler.close()
+
+
+def test_close_lets_submitted_requests_finish_and_refuses_new_ones():
+    engine = HeldEngine()
+    scheduler = Scheduler(engine, batch_rows=2, batch_wait_s=0.0)
+    futures = [scheduler.submit(held(3), Deadline()) for _ in range(4)]
+    assert engine.entered.acquire(timeout=10)
+    closing = threading.Thread(target=scheduler.close)
+    closing.start()
+    time.sleep(0.1)
+    with pytest.raises(Unavailable, match="shutting down"):
+        scheduler.submit(held(1), Deadline())
+    assert closing.is_alive()  # it waits for the requests in flight and queued
+    engine.release.set()
+    closing.join(timeout=10)
+    assert not closing.is_alive()
+    assert [len(f.result(timeout=0)) for f in futures] == [3, 3, 3, 3]
+    assert sum(1 for s in engine.stopped if not s) == 6  # 12 rows, 2 a call
+
+
+def test_unanswered_rows_keep_their_question_order():
+    """Rows of one request split over several calls come back in question order."""
+    class Echo(HeldEngine):
+        def rows(self, prepared, encoded):
+            return [TextRow([q] * (1 + q % 3)) for q in prepared.questions]
+
+        def run_rows(self, rows, run_options=None):
+            return [Readout({0: float(r.token_ids[0])}) for r in rows]
+
+    scheduler = Scheduler(Echo(), batch_rows=3, batch_wait_s=0.0)
+    readouts = scheduler.submit(held(10), Deadline()).result(timeout=10)
+    scheduler.close()
+    assert [r.scores[0] for r in readouts] == list(map(float, range(10)))
