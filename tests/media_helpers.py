@@ -109,11 +109,12 @@ class CountingServer:
             self.server.server_close()
 
 
-def write_video(path, frames: int, fps: float, width: int, height: int) -> bytes:
-    """An mp4v file whose frame i shows i as a gray level band (OpenCV's writer), returned as bytes."""
+def write_video(path, frames: int, fps: float, width: int, height: int, codec: str = "mp4v") -> bytes:
+    """A file whose frame i shows i as a gray level band (OpenCV's writer, mp4v: a keyframe every 12 frames;
+    MJPG: every frame one), returned as bytes."""
     import cv2
 
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*codec), fps, (width, height))
     base = fixture_image("photo-4000x3000")[:height, :width]
     for i in range(frames):
         frame = base.copy()
