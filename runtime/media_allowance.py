@@ -39,9 +39,15 @@ class MediaAllowance:
                                            "budget of this request (--max-request-pixels)")
             self.pixels += count
 
-    def take_bytes(self, count: int, where: str) -> None:
+    def bytes_left(self) -> int:
+        with self._lock:
+            return self.budget.download_bytes - self.download_bytes
+
+    def take_bytes(self, count: int, where: str, keep: bool = True) -> None:
+        """Count `count` downloaded bytes (`keep=False`: only check that they would fit, as a declared length)."""
         with self._lock:
             if self.download_bytes + count > self.budget.download_bytes:
                 raise MediaTooLarge(where, f"downloads would exceed the {self.budget.download_bytes:,}-byte budget "
                                            "of this request (--max-request-media-bytes)")
-            self.download_bytes += count
+            if keep:
+                self.download_bytes += count

@@ -175,12 +175,21 @@ def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy) -> st
 
 def _read_body(response: http.client.HTTPResponse, limit: int, where: str,
                allowance: MediaAllowance | None = None) -> bytes:
-    """The body in chunks as they come (read1), so a fetch cut off by its deadline returns at once."""
+    """The body in chunks as they come (read1), so a fetch cut off by its deadline returns at once. A declared
+    length over either cap is refused before the body is read; otherwise no read asks for more than one byte past
+    what the URL's cap and the request's budget still allow."""
     length = response.getheader("Content-Length")
-    if length and length.isdigit() and int(length) > limit:
-        raise _too_large(where, limit)
+    if length and length.isdigit():
+        if int(length) > limit:
+            raise _too_large(where, limit)
+        if allowance is not None:
+            allowance.take_bytes(int(length), where, keep=False)
     parts, size = [], 0
-    while chunk := response.read1(READ_CHUNK):
+    while True:
+        room = limit - size if allowance is None else min(limit - size, allowance.bytes_left())
+        chunk = response.read1(min(READ_CHUNK, max(room, 0) + 1))
+        if not chunk:
+            break
         size += len(chunk)
         if size > limit:
             raise _too_large(where, limit)
