@@ -87,8 +87,8 @@ def test_seeking_reads_the_frames_that_reading_one_after_another_reads(tmp_path,
 
 
 def test_the_pixels_decoded_for_one_video_are_bounded_before_decoding(tmp_path):
-    """MJPEG: frame 0, then 31 seeks of 17 decoded frames each, not the 1,200 a read one after another would; a budget below even
-    that is a 413 naming the flag."""
+    """MJPEG: frame 0, then 31 seeks of 17 decoded frames each, not the 1,200 a read one after another would; a
+    budget below even that is a 413 naming the flag."""
     data = write_video(tmp_path / "long.avi", frames=1200, fps=30.0, width=320, height=240, codec="MJPG")
     frame = 320 * 240
     video = decode_video(data, "videos[0]", allowance=MediaAllowance(MediaBudget(video_decode_pixels=600 * frame)))
