@@ -18,6 +18,9 @@ class MediaBudget:
     download_bytes: int = 256 << 20  # every URL of the request together (each also under --max-media-bytes)
     video_frame_pixels: int = 3840 * 2160  # one frame at most 4K UHD, read from the container before decoding
     jpeg_video_frames: int = 64  # `data:video/jpeg` frames (spec 4.10 does not sample them): twice the 32 sampled
+    # Pixels decoded to reach one video's sampled frames (skipped frames are decoded too, see d3/frame_plan.py):
+    # about 4,800 1080p or 1,200 4K frames, and seconds of decoding (README: bounds under hostile load).
+    video_decode_pixels: int = 10_000_000_000
 
 
 class MediaAllowance:
@@ -36,9 +39,15 @@ class MediaAllowance:
                                            "budget of this request (--max-request-pixels)")
             self.pixels += count
 
-    def take_bytes(self, count: int, where: str) -> None:
+    def bytes_left(self) -> int:
+        with self._lock:
+            return self.budget.download_bytes - self.download_bytes
+
+    def take_bytes(self, count: int, where: str, keep: bool = True) -> None:
+        """Count `count` downloaded bytes (`keep=False`: only check that they would fit, as a declared length)."""
         with self._lock:
             if self.download_bytes + count > self.budget.download_bytes:
                 raise MediaTooLarge(where, f"downloads would exceed the {self.budget.download_bytes:,}-byte budget "
                                            "of this request (--max-request-media-bytes)")
-            self.download_bytes += count
+            if keep:
+                self.download_bytes += count

@@ -3,10 +3,10 @@
 http(s) and base64 `data:` URLs; `file://` only under an allowed directory; hosts that resolve to private,
 loopback, link-local or otherwise non-public addresses are refused unless allowed (IPv6 forms that embed an IPv4
 address are judged by that address), checked on the address actually connected to and again on every redirect;
-optional exact-hostname allow-list; a download cap. Each http(s) fetch has an overall deadline (connect, headers and
-body together: --image-fetch-timeout, --video-fetch-timeout) within the request's, and stops at once when its
-request is abandoned. Every failure is a 4xx `MediaError` whose message names the URL's place in the request
-(`images[1]`); only the request's own deadline is a 503.
+optional exact-hostname allow-list; a download cap. Each http(s) fetch has an overall deadline (name resolution,
+connect, headers and body together: --image-fetch-timeout, --video-fetch-timeout) within the request's, and stops at
+once when its request is abandoned. Every failure is a 4xx `MediaError` whose message names the URL's place in the
+request (`images[1]`); only the request's own deadline is a 503.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import ipaddress
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import SplitResult, urljoin, urlsplit
@@ -36,6 +37,11 @@ _EMBEDS_IPV4_LOW32 = tuple(ipaddress.ip_network(n) for n in ("::/96", "::ffff:0:
                                                                "64:ff9b:1::/48"))
 
 
+def system_resolver(host: str, port: int) -> list[str]:
+    """The addresses `host` resolves to, as the operating system's resolver answers (it may block for long)."""
+    return [info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+
+
 @dataclass(frozen=True)
 class FetchPolicy:
     allowed_local_path: Path | None = None
@@ -44,6 +50,7 @@ class FetchPolicy:
     image_timeout_s: float = 5.0  # a whole image fetch (connect, headers, body), as vLLM's VLLM_IMAGE_FETCH_TIMEOUT
     video_timeout_s: float = 30.0  # a whole video fetch, as VLLM_VIDEO_FETCH_TIMEOUT
     max_bytes: int = 256 << 20
+    resolver: Callable[[str, int], list[str]] = system_resolver  # host, port -> addresses
 
 
 def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -158,13 +165,42 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
             self._connected.shutdown(socket.SHUT_RDWR)
 
 
-def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy) -> str:
+def _resolve(host: str, port: int, where: str, policy: FetchPolicy, fetch_deadline: Deadline) -> list[str]:
+    """The resolver's answer within the fetch's deadline. A lookup cannot be interrupted, so it runs in a thread of
+    its own and is waited for no longer than the deadline; a late one is left to end alone (the resolver's own
+    timeout ends it) and its answer dropped."""
+    done, answer = threading.Event(), {}
+
+    def lookup() -> None:
+        try:
+            answer["addresses"] = policy.resolver(host, port)
+        except Exception as exc:  # noqa: BLE001 - handed to the fetch's thread below
+            answer["error"] = exc
+        finally:
+            done.set()
+
+    unregister = fetch_deadline.on_cancel(done.set)
+    threading.Thread(target=lookup, name="systemone-resolve", daemon=True).start()
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise MediaUnreadable(where, f"Failed to fetch media from URL: cannot resolve host {host!r} ({exc})"
+        while not done.is_set() and not fetch_deadline.expired():
+            done.wait(min(fetch_deadline.remaining(), 1.0))
+    finally:
+        unregister()
+    fetch_deadline.check()
+    error = answer.get("error")
+    if isinstance(error, (socket.gaierror, UnicodeError)):
+        raise MediaUnreadable(where, f"Failed to fetch media from URL: cannot resolve host {host!r} ({error})"
                               ) from None
-    addresses = [info[4][0] for info in infos]
+    if error is not None:
+        raise error
+    return answer["addresses"]
+
+
+def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy, fetch_deadline: Deadline
+                    ) -> str:
+    addresses = _resolve(host, port, where, policy, fetch_deadline)
+    if not addresses:
+        raise MediaUnreadable(where, f"Failed to fetch media from URL: cannot resolve host {host!r}")
     if not policy.allow_private_hosts:
         refused = [a for a in addresses if not _public(a)]
         if refused:
@@ -175,12 +211,21 @@ def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy) -> st
 
 def _read_body(response: http.client.HTTPResponse, limit: int, where: str,
                allowance: MediaAllowance | None = None) -> bytes:
-    """The body in chunks as they come (read1), so a fetch cut off by its deadline returns at once."""
+    """The body in chunks as they come (read1), so a fetch cut off by its deadline returns at once. A declared
+    length over either cap is refused before the body is read; otherwise no read asks for more than one byte past
+    what the URL's cap and the request's budget still allow."""
     length = response.getheader("Content-Length")
-    if length and length.isdigit() and int(length) > limit:
-        raise _too_large(where, limit)
+    if length and length.isdigit():
+        if int(length) > limit:
+            raise _too_large(where, limit)
+        if allowance is not None:
+            allowance.take_bytes(int(length), where, keep=False)
     parts, size = [], 0
-    while chunk := response.read1(READ_CHUNK):
+    while True:
+        room = limit - size if allowance is None else min(limit - size, allowance.bytes_left())
+        chunk = response.read1(min(READ_CHUNK, max(room, 0) + 1))
+        if not chunk:
+            break
         size += len(chunk)
         if size > limit:
             raise _too_large(where, limit)
@@ -201,7 +246,7 @@ def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline,
             raise MediaError(where, f"The URL must be from one of the allowed domains: "
                                     f"{sorted(policy.allowed_domains)}. Input URL domain: {host}")
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        address = _vetted_address(host, port, where, policy)
+        address = _vetted_address(host, port, where, policy, fetch_deadline)
         connection_class = _PinnedHTTPSConnection if parts.scheme == "https" else _PinnedHTTPConnection
         # Each socket operation waits at most what is left of the fetch's deadline; the deadline's cancel (its
         # timer, or the request abandoned) shuts the socket down, so a server that drips bytes cannot hold on.

@@ -53,7 +53,8 @@ def _service(args: argparse.Namespace):
                            aliases=() if args.no_jev_latest_alias else DEFAULT_ALIASES,
                            media_workers=args.media_workers,
                            media_budget=MediaBudget(args.max_request_pixels, args.max_request_media_bytes,
-                                                    args.max_video_frame_pixels, args.max_jpeg_video_frames))
+                                                    args.max_video_frame_pixels, args.max_jpeg_video_frames,
+                                                    args.max_video_decode_pixels))
 
 
 def _print_error(exc: Exception) -> int:
@@ -237,6 +238,8 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
                        help="bytes one request's media URLs may download in all")
     media.add_argument("--max-video-frame-pixels", type=int, default=3840 * 2160, help="largest video frame")
     media.add_argument("--max-jpeg-video-frames", type=int, default=64, help="most frames of a data:video/jpeg")
+    media.add_argument("--max-video-decode-pixels", type=int, default=10_000_000_000,
+                       help="pixels decoded to reach one video's sampled frames, skipped frames included")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -68,9 +68,11 @@ test_images.__test__ = False  # a helper, not a test
 
 
 class CountingServer:
-    """Serves `files` on 127.0.0.1, counts GETs per path; `redirects` maps a path to a Location."""
+    """Serves `files` on 127.0.0.1, counts GETs per path; `redirects` maps a path to a Location; `declare_length`
+    False sends bodies without a Content-Length."""
 
-    def __init__(self, files: dict[str, bytes], redirects: dict[str, str] | None = None, host: str = "127.0.0.1"):
+    def __init__(self, files: dict[str, bytes], redirects: dict[str, str] | None = None, host: str = "127.0.0.1",
+                 declare_length: bool = True):
         self.files, self.redirects, self.gets = files, redirects or {}, Counter()
         outer = self
 
@@ -85,7 +87,8 @@ class CountingServer:
                 elif path in outer.files:
                     body = outer.files[path]
                     self.send_response(200)
-                    self.send_header("Content-Length", str(len(body)))
+                    if declare_length:  # else the body ends when the connection closes (HTTP/1.0)
+                        self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
                     self.wfile.write(body)
                 else:
@@ -109,11 +112,12 @@ class CountingServer:
             self.server.server_close()
 
 
-def write_video(path, frames: int, fps: float, width: int, height: int) -> bytes:
-    """An mp4v file whose frame i shows i as a gray level band (OpenCV's writer), returned as bytes."""
+def write_video(path, frames: int, fps: float, width: int, height: int, codec: str = "mp4v") -> bytes:
+    """A file whose frame i shows i as a gray level band (OpenCV's writer, mp4v: a keyframe every 12 frames;
+    MJPG: every frame one), returned as bytes."""
     import cv2
 
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*codec), fps, (width, height))
     base = fixture_image("photo-4000x3000")[:height, :width]
     for i in range(frames):
         frame = base.copy()

@@ -139,3 +139,42 @@ def test_log_level_trace_serves(d3_artifact):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_half_open_connections_past_the_cap_neither_wedge_the_server_nor_flood_its_log(d3_artifact):
+    """A server with 272 descriptors (so a cap of 16 connections) and a 2 s header timeout; 400 connections each
+    sending half a request line. Once the header timeout has closed them (the clients still holding theirs),
+    /health answers, and the log has a bounded number of lines."""
+    import resource
+
+    port = free_port()
+
+    def few_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (272, 272))
+
+    server = subprocess.Popen([sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu",
+                               "--port", str(port), "--header-timeout", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=few_descriptors)
+    sockets = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        for _ in range(400):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /heal")
+            sockets.append(s)
+        time.sleep(3)  # past the header timeout
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        assert server.poll() is None
+    finally:
+        for s in sockets:
+            s.close()
+        server.terminate()
+        log = server.communicate(timeout=30)[0].decode(errors="replace").splitlines()
+    assert len(log) < 40, log[:40]
+    assert not any("Traceback" in line for line in log), log[:40]

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from scripts.vision_fixtures import FIXTURE, MEAN, STD, VIDEOS, fixture_frames
+from systemone.models.errors import TimedOut
+from systemone.runtime.d3.frame_plan import plan_reads
 from systemone.runtime.d3.video import decode_video, qwen_video, sample_indices, timestamps, video_size
+from systemone.runtime.deadline import Deadline
+from systemone.runtime.media_allowance import MediaAllowance, MediaBudget
+from systemone.runtime.media_errors import MediaTooLarge
+from systemone.server.errors import http_status
 from tests.media_helpers import write_video
 
 REFERENCE = np.load(FIXTURE)
@@ -51,3 +57,69 @@ def test_pixel_values_equal_the_video_processor(name):
 def test_single_frame_videos_are_refused():
     with pytest.raises(ValueError, match="t:1 must be larger than temporal_factor:2"):
         video_size(1, 100, 100)
+
+
+# -- decoding only what sampling needs (README: bounds under hostile load) ----------------------------------
+def _one_after_another(path):
+    """Spec 4.10 step 2 as the reference reads: grab every frame up to the last sampled one, retrieve the sampled."""
+    import cv2
+
+    capture = cv2.VideoCapture(str(path))
+    total, fps = int(capture.get(cv2.CAP_PROP_FRAME_COUNT)), capture.get(cv2.CAP_PROP_FPS)
+    wanted, frames = sample_indices(total, fps).tolist(), {}
+    for index in range(wanted[-1] + 1):
+        assert capture.grab()
+        if index in wanted:
+            frames[index] = cv2.cvtColor(capture.retrieve()[1], cv2.COLOR_BGR2RGB)
+    capture.release()
+    return frames
+
+
+@pytest.mark.parametrize("codec, name", [("MJPG", "long.avi"), ("mp4v", "long.mp4")])
+def test_seeking_reads_the_frames_that_reading_one_after_another_reads(tmp_path, codec, name):
+    """1,200 frames, 32 sampled ~39 apart: seeks skip most frames, and land on the very same pixels."""
+    data = write_video(tmp_path / name, frames=1200, fps=30.0, width=320, height=240, codec=codec)
+    expected = _one_after_another(tmp_path / name)
+    video = decode_video(data, "videos[0]")
+    assert list(video.indices) == list(expected) == sample_indices(1200, 30.0).tolist()
+    for frame, index in zip(video.frames, video.indices):
+        assert np.array_equal(frame, expected[index])
+
+
+def test_the_pixels_decoded_for_one_video_are_bounded_before_decoding(tmp_path):
+    """MJPEG: frame 0, then 31 seeks of 17 decoded frames each, not the 1,200 a read one after another would; a
+    budget below even that is a 413 naming the flag."""
+    data = write_video(tmp_path / "long.avi", frames=1200, fps=30.0, width=320, height=240, codec="MJPG")
+    frame = 320 * 240
+    video = decode_video(data, "videos[0]", allowance=MediaAllowance(MediaBudget(video_decode_pixels=600 * frame)))
+    assert len(video.indices) == 32
+    with pytest.raises(MediaTooLarge, match=r"decode 528 frames .* \(--max-video-decode-pixels\)") as info:
+        decode_video(data, "videos[1]", allowance=MediaAllowance(MediaBudget(video_decode_pixels=500 * frame)))
+    assert http_status(info.value)[0] == 413 and info.value.message.startswith("media: videos[1]: ")
+
+
+def test_an_abandoned_request_stops_the_decoding(tmp_path):
+    data = write_video(tmp_path / "ten.mp4", frames=300, fps=30.0, width=320, height=240)
+    deadline = Deadline()
+    deadline.cancel()
+    with pytest.raises(TimedOut):
+        decode_video(data, "videos[0]", deadline=deadline)
+
+
+@pytest.mark.parametrize("keyframes, seeks, decodes", [
+    (range(1200), [False] + [True] * 31, 1 + 31 * 17),  # intra-only: each seek decodes 16 lead frames + its own
+    ((0,), [False] * 32, 1200),  # one keyframe: a seek would decode from the start, so read on
+])
+def test_each_sampled_frame_is_reached_the_cheaper_way(keyframes, seeks, decodes):
+    steps = plan_reads(sample_indices(1200, 30.0).tolist(), tuple(keyframes), 1200)
+    assert [s.index for s in steps] == sample_indices(1200, 30.0).tolist()
+    assert [s.seek for s in steps] == seeks and sum(s.decodes for s in steps) == decodes
+
+
+def test_with_a_keyframe_every_12_frames_no_sampled_frame_costs_more_than_a_seek():
+    steps = plan_reads(sample_indices(1200, 30.0).tolist(), tuple(range(0, 1200, 12)), 1200)
+    assert max(s.decodes for s in steps) <= 16 + 12 and sum(s.decodes for s in steps) < 1200
+
+
+def test_a_stream_shorter_than_its_header_is_read_to_its_end():
+    assert [s.index for s in plan_reads([0, 50, 99], (0,), 60)] == [0, 50]

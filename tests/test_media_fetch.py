@@ -4,10 +4,16 @@ the URL's place in the request; private hosts, local files and oversized downloa
 from __future__ import annotations
 
 import base64
+import http.client
+import threading
+import time
 
 import pytest
 
+from systemone.models.errors import TimedOut
 from systemone.runtime import media_fetch
+from systemone.runtime.deadline import Deadline
+from systemone.runtime.media_allowance import MediaAllowance, MediaBudget
 from systemone.runtime.media_decode import decode_image
 from systemone.runtime.media_fetch import FetchPolicy, MediaError, fetch
 from systemone.server.errors import http_status
@@ -148,3 +154,75 @@ def test_ipv6_forms_that_embed_a_private_ipv4_and_site_local_are_refused(host):
 def test_ipv6_forms_that_embed_a_public_ipv4_are_judged_by_it():
     assert media_fetch._public("64:ff9b::808:808") and media_fetch._public("2002:808:808::1")
     assert media_fetch._public("2606:4700:4700::1111")
+
+
+# -- the request's download budget (README: bounds under hostile load) --------------------------------------
+@pytest.mark.parametrize("declare_length", [True, False])
+def test_a_requests_urls_together_stay_under_its_download_budget(monkeypatch, declare_length):
+    """Four 300,000-byte files under a 1,000,000-byte request budget: three load, the fourth is a 413 naming the
+    budget and its flag, and no more bytes than the budget are read from the sockets."""
+    read = []
+    real_read1 = http.client.HTTPResponse.read1
+    monkeypatch.setattr(http.client.HTTPResponse, "read1", lambda self, n=-1: read.append(real_read1(self, n))
+                        or read[-1])
+    server = CountingServer({f"{i}.bin": bytes([i]) * 300_000 for i in range(4)}, declare_length=declare_length)
+    allowance = MediaAllowance(MediaBudget(download_bytes=1_000_000))
+    policy = FetchPolicy(allow_private_hosts=True)
+    with server.running():
+        for i in range(3):
+            assert fetch(f"{server.url}/{i}.bin", f"images[{i}]", "image", policy, allowance=allowance) == bytes(
+                [i]) * 300_000
+        with pytest.raises(MediaError) as info:
+            fetch(f"{server.url}/3.bin", "images[3]", "image", policy, allowance=allowance)
+    assert http_status(info.value)[0] == 413
+    assert info.value.message == ("media: images[3]: downloads would exceed the 1,000,000-byte budget of this "
+                                  "request (--max-request-media-bytes)")
+    if declare_length:  # refused from its Content-Length: not a byte of its body is read
+        assert sum(map(len, read)) == allowance.download_bytes == 900_000
+    else:  # read up to the budget, and one byte past it to know the body goes on
+        assert sum(map(len, read)) <= 1_000_001 and allowance.download_bytes <= 1_000_000
+
+
+# -- name resolution under the fetch's deadline ----------------------------------------------------------------
+def slow_resolver(seconds: float):
+    def resolve(host: str, port: int) -> list[str]:
+        time.sleep(seconds)
+        return ["127.0.0.1"]
+    return resolve
+
+
+def test_a_resolver_that_hangs_is_cut_off_by_the_fetch_deadline():
+    """A lookup that takes 3 s, under a 0.3 s image fetch timeout: a 422 naming the flag, in well under 3 s."""
+    policy = FetchPolicy(allow_private_hosts=True, image_timeout_s=0.3, resolver=slow_resolver(3.0))
+    start = time.monotonic()
+    message = refused("http://slow-dns.example/a.png", policy, status=422)
+    assert time.monotonic() - start < 1.0
+    assert message.endswith("not done within 0.3 s (--image-fetch-timeout)")
+
+
+def test_a_resolver_that_hangs_is_cut_off_by_the_requests_deadline():
+    policy = FetchPolicy(allow_private_hosts=True, resolver=slow_resolver(3.0))
+    start = time.monotonic()
+    with pytest.raises(TimedOut, match="--request-timeout"):
+        fetch("http://slow-dns.example/a.png", "images[0]", "image", policy, Deadline(0.3))
+    assert time.monotonic() - start < 1.0
+
+
+def test_an_abandoned_request_stops_waiting_for_its_lookup():
+    policy = FetchPolicy(allow_private_hosts=True, resolver=slow_resolver(3.0))
+    deadline = Deadline(10.0)
+    threading.Timer(0.2, deadline.cancel).start()
+    start = time.monotonic()
+    with pytest.raises(TimedOut):
+        fetch("http://slow-dns.example/a.png", "images[0]", "image", policy, deadline)
+    assert time.monotonic() - start < 1.0
+
+
+def test_the_resolvers_answer_is_vetted_and_connected_to():
+    server = CountingServer({"a.png": PNG})
+    with server.running():
+        named = server.url.replace("127.0.0.1", "media.example")
+        assert "non-public address (127.0.0.1)" in refused(f"{named}/a.png", FetchPolicy(resolver=slow_resolver(0)))
+        assert fetch(f"{named}/a.png", "i", "image", FetchPolicy(allow_private_hosts=True,
+                                                                  resolver=slow_resolver(0.1))) == PNG
+    assert server.gets == {"a.png": 1}

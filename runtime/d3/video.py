@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..deadline import Deadline
 from ..image_transform import normalize, patchify, resize_bicubic
 from ..media_decode import MAX_IMAGE_PIXELS, decode_image
 from ..media_allowance import MediaAllowance, MediaBudget
 from ..media_fetch import MediaError, MediaTooLarge
+from .frame_plan import Step, plan_reads, sequential_reads
 
 SAMPLE_FPS = 2
 MIN_FRAMES, MAX_FRAMES = 4, 32
@@ -64,11 +66,119 @@ def _jpeg_frames(url: str, where: str, allowance: MediaAllowance) -> SampledVide
     return SampledVideo(np.stack(frames), tuple(range(len(frames))), float(SAMPLE_FPS))
 
 
-def decode_video(data: bytes, where: str, url: str = "", allowance: MediaAllowance | None = None) -> SampledVideo:
+class _SeekMissed(Exception):
+    """A seek read a frame other than the one asked for: the video is read again, one frame after another."""
+
+
+@dataclass(frozen=True)
+class _Stream:
+    keyframes: tuple[int, ...]  # frame numbers of the keyframes; empty where a seek would not land true
+    frames: int  # packets demuxed (at most the ones needed)
+
+
+def _demux(path: str, needed: int, fps: float, deadline: Deadline) -> _Stream | None:
+    """The keyframes among the first `needed` packets, without decoding any. Seeks are kept only when every
+    packet's timestamp names its place in the stream (constant frame rate, no gap): OpenCV numbers frames by
+    timestamp after a seek. None where the backend cannot demux alone."""
+    import cv2
+
+    demuxer = cv2.VideoCapture(path)
+    try:
+        if not demuxer.isOpened() or not demuxer.set(cv2.CAP_PROP_FORMAT, -1):
+            return None
+        keyframes, places, count = [], [], 0
+        while count < needed and demuxer.grab():
+            place = round(demuxer.get(cv2.CAP_PROP_POS_MSEC) * fps / 1000)
+            places.append(place)
+            if demuxer.get(cv2.CAP_PROP_LRF_HAS_KEY_FRAME):
+                keyframes.append(place)
+            count += 1
+            if count % 256 == 0:
+                deadline.check()
+        first = min(places, default=0)
+        if sorted(p - first for p in places) != list(range(count)):
+            return _Stream((), count)
+        return _Stream(tuple(sorted(k - first for k in keyframes)), count)
+    finally:
+        demuxer.release()
+
+
+def _read(capture, steps: list[Step], deadline: Deadline) -> tuple[list[np.ndarray], list[int]]:
+    """The steps' frames as RGB; a frame that cannot be read is skipped, and the stream's end stops the reading."""
+    import cv2
+
+    frames, kept = [], []
+    for step in steps:
+        if step.seek:
+            capture.set(cv2.CAP_PROP_POS_FRAMES, step.index)
+        else:
+            for _ in range(step.decodes - 1):
+                deadline.check()
+                if not capture.grab():
+                    return frames, kept
+        deadline.check()
+        if not capture.grab():
+            break
+        if step.seek and int(capture.get(cv2.CAP_PROP_POS_FRAMES)) != step.index + 1:
+            raise _SeekMissed
+        ok, frame = capture.retrieve()
+        if ok and frame is not None:
+            frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+            kept.append(step.index)
+    return frames, kept
+
+
+def _check_decoding(steps: list[Step], pixels: int, where: str, allowance: MediaAllowance) -> None:
+    decoded = sum(step.decodes for step in steps) * pixels
+    most = allowance.budget.video_decode_pixels
+    if decoded > most:
+        raise MediaTooLarge(where, f"reading its sampled frames would decode {sum(s.decodes for s in steps):,} "
+                                   f"frames ({decoded:,} pixels), more than the {most:,} pixels this server decodes "
+                                   "for one video (--max-video-decode-pixels)")
+
+
+def _decode_sampled(capture, path: str, where: str, allowance: MediaAllowance, deadline: Deadline
+                    ) -> tuple[list[np.ndarray], list[int], float]:
+    import cv2
+
+    if not capture.isOpened():
+        raise MediaError(where, "Could not open video stream")
+    total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+    fps = float(capture.get(cv2.CAP_PROP_FPS)) or UNKNOWN_FPS
+    width, height = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    if width * height > MAX_IMAGE_PIXELS:
+        raise MediaError(where, f"Video frame dimensions {width}x{height} ({width * height} pixels) exceed the "
+                                f"maximum of {MAX_IMAGE_PIXELS} pixels.")
+    if width * height > allowance.budget.video_frame_pixels:
+        raise MediaTooLarge(where, f"Video frame dimensions {width}x{height} ({width * height:,} pixels) exceed "
+                                   f"the {allowance.budget.video_frame_pixels:,}-pixel limit of a video frame "
+                                   "(--max-video-frame-pixels)")
+    if total <= 0:
+        raise MediaError(where, "Could not open video stream: it has no frames")
+    indices = sample_indices(total, fps).tolist()
+    allowance.take_pixels(width * height * len(indices), where, f"{len(indices)} sampled frames of {width}x{height}")
+    stream = _demux(path, indices[-1] + 1, fps, deadline)
+    steps = (plan_reads(indices, stream.keyframes, stream.frames) if stream is not None
+             else sequential_reads(indices, total))
+    _check_decoding(steps, width * height, where, allowance)
+    try:
+        frames, kept = _read(capture, steps, deadline)
+    except _SeekMissed:
+        steps = sequential_reads(indices, total)
+        _check_decoding(steps, width * height, where, allowance)
+        capture.open(path)  # from the first frame again
+        frames, kept = _read(capture, steps, deadline)
+    return frames, kept, fps
+
+
+def decode_video(data: bytes, where: str, url: str = "", allowance: MediaAllowance | None = None,
+                 deadline: Deadline | None = None) -> SampledVideo:
     """Video bytes -> the sampled RGB frames, their source indices and the source fps. The frame size (at most
-    `video_frame_pixels`) and the sampled frames' pixels (from the request's budget) are checked from the
-    container before a frame is decoded; only sampled frames are kept."""
+    `video_frame_pixels`), the sampled frames' pixels (from the request's budget) and the pixels decoded to reach
+    them (`video_decode_pixels`) are checked from the container before a frame is decoded; only sampled frames are
+    kept, and the request's deadline stops the decoding between frames."""
     allowance = allowance or MediaAllowance(MediaBudget())
+    deadline = deadline or Deadline()
     if url[:16].lower().startswith("data:video/jpeg"):
         return _jpeg_frames(url, where, allowance)
     import cv2
@@ -76,36 +186,11 @@ def decode_video(data: bytes, where: str, url: str = "", allowance: MediaAllowan
     with tempfile.NamedTemporaryFile(suffix=".video", delete=False) as f:
         f.write(data)
         path = f.name
+    capture = cv2.VideoCapture(path)
     try:
-        capture = cv2.VideoCapture(path)
-        if not capture.isOpened():
-            raise MediaError(where, "Could not open video stream")
-        total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
-        fps = float(capture.get(cv2.CAP_PROP_FPS)) or UNKNOWN_FPS
-        width, height = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
-        if width * height > MAX_IMAGE_PIXELS:
-            raise MediaError(where, f"Video frame dimensions {width}x{height} ({width * height} pixels) exceed the "
-                                    f"maximum of {MAX_IMAGE_PIXELS} pixels.")
-        if width * height > allowance.budget.video_frame_pixels:
-            raise MediaTooLarge(where, f"Video frame dimensions {width}x{height} ({width * height:,} pixels) exceed "
-                                       f"the {allowance.budget.video_frame_pixels:,}-pixel limit of a video frame "
-                                       "(--max-video-frame-pixels)")
-        if total <= 0:
-            raise MediaError(where, "Could not open video stream: it has no frames")
-        wanted = set(sample_indices(total, fps).tolist())
-        allowance.take_pixels(width * height * len(wanted), where,
-                              f"{len(wanted)} sampled frames of {width}x{height}")
-        frames, kept = [], []
-        for index in range(total):
-            if not capture.grab():
-                break
-            if index in wanted:
-                ok, frame = capture.retrieve()
-                if ok and frame is not None:
-                    frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
-                    kept.append(index)
-        capture.release()
+        frames, kept, fps = _decode_sampled(capture, path, where, allowance, deadline)
     finally:
+        capture.release()
         os.unlink(path)
     if not frames:
         raise MediaError(where, "Could not read any frame of the video")
