@@ -99,7 +99,7 @@ def test_serve_prints_what_it_serves(capsys, d3_artifact, monkeypatch):
     assert summary["model"] == "d3-tiny (also answers to jev-latest)"
     assert summary["artifact"] == f"{d3_artifact} (family d3, source d3-tiny)"
     assert summary["provider"] == "CPUExecutionProvider (--device cpu)"
-    assert summary["precision"] == "float32"
+    assert summary["precision"] == "portable form (float32)"
     assert summary["address"] == "http://127.0.0.1:8123/v1/systemone"
 
 

@@ -124,7 +124,7 @@ def test_the_gate_holds_max_and_median():
 
 
 def test_a_pick_may_differ_only_where_the_reference_is_undecided():
-    close = pairs(200, [0.505, 0.495], [0.495, 0.505])  # top two 0.01 apart: fp16 may swap them
+    close = pairs(200, [0.501, 0.499], [0.499, 0.501])  # top two 0.002 apart: fp16 may swap them
     assert gate_answers(close)["questions_with_clear_pick"] == 0
     clear = pairs(199, [0.5, 0.5], [0.5, 0.5]) + [QuestionPair("flip", [0.49, 0.51, 0.0], [0.5, 0.47, 0.03])]
     with pytest.raises(ParityError, match="1 clear picks differ \\(first: flip\\)"):
