@@ -131,6 +131,7 @@ class Artifact:
     family: Family
     tokenizer: PromptTokenizer
     template: ChatTemplate
+    form: str = PORTABLE  # which form's files graph_path gives
 
     @property
     def source(self) -> str:
@@ -140,8 +141,6 @@ class Artifact:
     def max_model_len(self) -> int:
         return self.manifest.max_model_len
 
-    form: str = PORTABLE  # which form's files graph_path gives
-
     def graph_path(self, name: str) -> Path:
         graphs = self.manifest.graphs
         if name not in graphs:
@@ -150,18 +149,21 @@ class Artifact:
             return self.root / self.manifest.forms[self.form].graphs.get(name, graphs[name].file)
         return self.root / graphs[name].file
 
+    def written_forms(self) -> dict[str, FormEntry]:
+        """The forms export wrote beside the portable one (not those it refused)."""
+        return {name: form for name, form in self.manifest.forms.items() if form.refused is None}
+
     def forms_for(self, device: str) -> list[str]:
         """The forms this artifact can run on `device` (cpu, cuda, rocm), best first: the written forms made for
         it, then the portable one."""
-        made = [name for name, form in self.manifest.forms.items() if form.refused is None and device in form.providers]
-        return [*made, PORTABLE]
+        return [*(name for name, form in self.written_forms().items() if device in form.providers), PORTABLE]
 
     def with_form(self, form: str, device: str) -> Artifact:
         """This artifact reading `form`'s graphs: "auto" takes the best form for `device`; a form named outright
         runs on any device (onnxruntime casts what a provider has no half-precision kernel for)."""
         if form == "auto":
             form = self.forms_for(device)[0]
-        written = [PORTABLE, *(name for name, f in self.manifest.forms.items() if f.refused is None)]
+        written = [PORTABLE, *self.written_forms()]
         if form not in written:
             refused = self.manifest.forms.get(form)
             why = f" (export refused it: {refused.refused})" if refused and refused.refused else ""

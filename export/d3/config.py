@@ -43,8 +43,8 @@ SAMPLE_REQUEST = {"state": {"ticket": "Refund not received after 10 days", "tier
                       "urgent": {"type": "noul", "instructions": "Is it urgent?"},
                       "team": {"type": "choice", "criteria": {"billing": "money", "support": None}},
                       "mood": {"type": "score", "criteria": ["calm", "annoyed", "furious"]}}}
-RANDOM_TOKEN_IDS = 150_000
-GATE_REQUESTS = 70  # three questions each: the half-precision form is gated on 210 real prompts  # random prompts draw from the ids every Qwen3.5 vocabulary has
+RANDOM_TOKEN_IDS = 150_000  # random prompts draw from the ids every Qwen3.5 vocabulary has
+GATE_REQUESTS = 70  # three questions each: the half-precision form is gated on 210 real prompts
 
 
 class D3ExportConfig(ExportConfig):

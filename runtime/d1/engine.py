@@ -56,7 +56,7 @@ class D1Engine(Engine):
         self.runner = D1TextRunner(self.session, layout,
                                    BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads))
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
-                                    options.gpu_memory)
+                                           options.gpu_memory)
         vision = fields["vision"]
         self.media = D1ImageEncoder(self.vision_session, Lfm2ImageConfig.from_processor_config(vision),
                                     np.load(artifact.root / vision["positions_file"]), options.fetch_policy)

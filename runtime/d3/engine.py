@@ -48,7 +48,7 @@ class D3Engine(Engine):
                                     options.gpu_memory)
         self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]))
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
-                                    options.gpu_memory)
+                                           options.gpu_memory)
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
         self.max_chars_per_token = artifact.tokenizer.max_token_chars()
 
