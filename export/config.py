@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .half_precision import FLOAT16, FLOAT16_MATMULS, Precision
+
 
 class ParityError(RuntimeError):
     pass
@@ -74,7 +76,16 @@ class HalfForm:
     providers: tuple[str, ...]
     graphs: dict[str, tuple[str, ...]]
     answer_pairs: Callable[[Any], list[Any]]
+    precision: Precision = FLOAT16
     tolerance: AnswerTolerance = AnswerTolerance()
+
+
+def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any], list[Any]]) -> list[HalfForm]:
+    """The CUDA forms, most half first: export writes the first whose answers pass the gate (export/forms.py).
+    Every node in fp16 (the decay and recurrence aside) is fastest; fp16 matrix products on an fp32 residual
+    stream, norms and softmax, as torch's autocast runs, round less."""
+    return [HalfForm("cuda-fp16", ("cuda",), graphs, answer_pairs, FLOAT16),
+            HalfForm("cuda-fp16-matmuls", ("cuda",), graphs, answer_pairs, FLOAT16_MATMULS)]
 
 
 class ExportConfig(ABC):

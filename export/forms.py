@@ -1,7 +1,8 @@
 """The forms export writes beside the portable fp32 graphs: each graph the form rewrites converted to half
 precision (export/half_precision.py), then the whole runtime on that form gated against the torch fp32 model on
 answers (export/answer_gate.py). A form that fails its gate is not written: its files are removed, export says why,
-and the manifest records the refusal."""
+and the manifest records the refusal. Forms for the same providers are tried in the order declared (most half
+first) and only until one is written: an artifact holds at most one form per provider set."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ HALF_DTYPE = "float16"
 
 
 def form_files(form: HalfForm) -> dict[str, str]:
-    return {graph: f"{graph}.fp16.onnx" for graph in form.graphs}
+    return {graph: f"{graph}.{form.name}.onnx" for graph in form.graphs}
 
 
 def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str) -> dict[str, Any]:
@@ -37,17 +38,24 @@ def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str) 
 
 def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, manifest: Manifest, device: str,
                 progress: Callable[[str], None]) -> Manifest:
-    """Each of `forms` (the config's) written and gated in `staging`; the manifest that records them (written)."""
+    """Each of `forms` (the config's) written and gated in `staging`, but none after a written one for the same
+    providers; the manifest that records them (written)."""
+    written: set[tuple[str, ...]] = set()
     for form in forms:
+        if form.providers in written:
+            progress(f"the {form.name} form is not needed: a form for {', '.join(form.providers)} is written")
+            continue
         files = form_files(form)
-        progress(f"writing the {form.name} form: {', '.join(form.graphs)} in {HALF_DTYPE}, readout in float32")
+        progress(f"writing the {form.name} form: {', '.join(form.graphs)} at {form.precision.name}, readout in "
+                 "float32")
         for graph, outputs in form.graphs.items():
-            convert_to_half(staging / manifest.graphs[graph].file, staging / files[graph], outputs)
+            convert_to_half(staging / manifest.graphs[graph].file, staging / files[graph], outputs, form.precision)
         entry = FormEntry(HALF_DTYPE, list(form.providers), files)
         replace(manifest, forms={**manifest.forms, form.name: entry}).write(staging)
         progress(f"checking the {form.name} form's answers against the torch fp32 model on {device}")
         try:
             entry = replace(entry, gate=gate_form(config, staging, form, device))
+            written.add(form.providers)
         except ParityError as exc:
             print(f"the {form.name} form is not written: {exc}", file=sys.stderr)
             for file in files.values():

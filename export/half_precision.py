@@ -1,22 +1,47 @@
-"""An exported fp32 graph rewritten in half precision (fp16) for the CUDA provider, keeping in fp32 what fp16
-would spoil (docs/gpu.md, "The CUDA form"):
+"""An exported fp32 graph rewritten in half precision (fp16) for the CUDA provider, at one of two precisions
+(docs/gpu.md, "The CUDA form"):
 
-- the graph's inputs and outputs (the runtime and the state it carries stay fp32);
-- the Gated DeltaNet decay (Softplus, Exp, CumSum) and its recurrence (the Scan loop and the state it carries);
-- the readout (d3's code logits, d1's LM head and log-softmax): every node from a declared output back to the
-  first MatMul, so the logits the read compares are never rounded to 10 bits.
+- `FLOAT16`: every node in fp16 except what fp16 would spoil: the Gated DeltaNet decay (Softplus, Exp, CumSum) and
+  its recurrence (the Scan loop and the state it carries).
+- `FLOAT16_MATMULS`: only the matrix products (and the embedding table's lookup) in fp16; norms, softmax, the
+  residual stream and every other elementwise op stay fp32, as torch's autocast runs a model.
+
+At both, the graph's inputs and outputs stay fp32 (the runtime and the state it carries), and so does the readout
+(d3's code logits, d1's LM head and log-softmax): every node from a declared output back to the first MatMul, so
+the logits the read compares are never rounded to 10 bits.
 
 onnxruntime's own float16 converter does the rewrite (it inserts the casts at every fp32/fp16 border); this module
-only says what to keep.
+says what to keep and removes the round trips the converter leaves between kept nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 # Kept fp32 wherever they appear: the decay's and the recurrence's ops, and what the converter itself keeps.
 FP32_OPS = ("Scan", "Loop", "If", "Softplus", "Exp", "CumSum", "Range", "Trilu")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Which nodes a half-precision form runs in fp16: every node but `FP32_OPS` (and the converter's own list),
+    or, with `half_ops`, only nodes of those types (a Gather only when it reads a weight: the embedding table)."""
+
+    name: str
+    half_ops: frozenset[str] | None = None
+
+    def halves(self, node, weights: Collection[str], blocked_ops: Collection[str]) -> bool:
+        if self.half_ops is None:
+            return node.op_type not in blocked_ops
+        if node.op_type == "Gather":
+            return "Gather" in self.half_ops and node.input[0] in weights
+        return node.op_type in self.half_ops
+
+
+FLOAT16 = Precision("float16")
+FLOAT16_MATMULS = Precision("float16-matmuls", frozenset({"MatMul", "Gemm", "Gather"}))
 
 
 def readout_tail(graph, outputs: Iterable[str]) -> set[str]:
@@ -70,8 +95,22 @@ def join_fp32_islands(graph, kept: set[str], fp32_weights: dict[str, object]) ->
                                                              node.name))
 
 
-def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str]) -> None:
-    """Write `source` (an fp32 ONNX graph) as an fp16 graph at `target`, its weights beside it in
+def drop_dead_nodes(graph) -> None:
+    """Remove nodes nothing reads (the fp16 halves of the round trips `join_fp32_islands` replaced), until none is
+    left: onnxruntime would run them."""
+    outputs = {v.name for v in graph.output}
+    while True:
+        read = outputs | {name for node in graph.node for name in node.input}
+        dead = [node for node in graph.node if node.op_type == "Cast" and not any(o in read for o in node.output)]
+        if not dead:
+            return
+        for node in dead:
+            graph.node.remove(node)
+
+
+def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], precision: Precision = FLOAT16
+                    ) -> None:
+    """Write `source` (an fp32 ONNX graph) as a graph at `precision` at `target`, its weights beside it in
     `target.name + '.data'`."""
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
@@ -82,8 +121,8 @@ def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str]) -> 
             node.name = f"{node.op_type}_{node_index}"
     keep = readout_tail(model.graph, fp32_outputs)
     blocked_ops = {*DEFAULT_OP_BLOCK_LIST, *FP32_OPS}
-    kept = keep | {node.name for node in model.graph.node if node.op_type in blocked_ops}
     weights = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    kept = keep | {node.name for node in model.graph.node if not precision.halves(node, weights, blocked_ops)}
     fp32_weights = {}  # the readout's weights, as they were: the converter would store them in fp16
     for node in model.graph.node:
         for name in node.input if node.name in keep else ():
@@ -92,8 +131,9 @@ def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str]) -> 
                 fp32_weights[name].CopyFrom(weights[name])
                 fp32_weights[name].name = f"{name}_fp32"
     half = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True,
-                                    op_block_list=sorted(blocked_ops), node_block_list=sorted(keep))
+                                    op_block_list=sorted(blocked_ops), node_block_list=sorted(kept))
     join_fp32_islands(half.graph, kept, fp32_weights)
+    drop_dead_nodes(half.graph)
     used = {name for node in half.graph.node for name in node.input}
     unused = [t for t in half.graph.initializer if t.name not in used]  # fp16 copies of restored weights
     for tensor in unused:

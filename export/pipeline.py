@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from ..models.registry import FAMILIES, FamilyRegistry
 from ..runtime.artifact import GraphEntry, Manifest
 from ..runtime.session import resolve_device
-from .config import ExportConfig, GraphSpec, ParityError
+from .config import ExportConfig, GraphSpec, HalfForm, ParityError
 from .forms import write_forms
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
 from .source import checkpoint_name, file_hashes, resolve_checkpoint
@@ -85,9 +86,10 @@ def _export_graph(spec: GraphSpec, staging: Path) -> Path:
 def export_checkpoint(source: str, out: str | Path, *, revision: str | None = None, atol: float = DEFAULT_ATOL,
                       prob_atol: float = DEFAULT_PROB_ATOL, lengths: Sequence[int] = PARITY_LENGTHS,
                       overwrite: bool = False, seed: int = 0, families: FamilyRegistry = FAMILIES,
-                      half_forms: bool = True, gate_device: str = "auto") -> Path:
-    """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`; the half-precision
-    forms' answer gates run on `gate_device` (auto: CUDA where onnxruntime has it, else the CPU)."""
+                      forms: Sequence[str] | None = None, gate_device: str = "auto") -> Path:
+    """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`, with the family's
+    half-precision `forms` (None: every one it declares; empty: the portable graphs only), their answer gates run
+    on `gate_device` (auto: CUDA where onnxruntime has it, else the CPU)."""
     import torch
 
     out = Path(out)
@@ -101,8 +103,8 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
     config: ExportConfig = entry.load_export_config()(checkpoint)
     graphs = config.graphs()
     gates = config.gates(atol, prob_atol, tuple(lengths), seed)
-    forms = config.forms() if half_forms else []
-    progress.total += len(graphs) + 1 + len(gates) + 2 * len(forms)
+    half_forms = _chosen_forms(config, forms)
+    progress.total += len(graphs) + 1 + len(gates) + 2 * len(half_forms)
     torch.manual_seed(seed)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
                                           reports.get(spec.name)) for spec in graphs},
             parity=reports[None], versions=_versions(),
             exported_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        manifest = write_forms(config, forms, staging, manifest, resolve_device(gate_device), progress)
+        manifest = write_forms(config, half_forms, staging, manifest, resolve_device(gate_device), progress)
         if out.exists():
             shutil.rmtree(out)
         staging.chmod(0o755)
@@ -137,7 +139,50 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
         if staging.exists():
             shutil.rmtree(staging)
     print(f"artifact written to {out} (parity: {manifest.parity['summary']})", file=sys.stderr)
+    _print_forms(manifest)
+    return out
+
+
+def add_forms(source: str, artifact: str | Path, *, revision: str | None = None, forms: Sequence[str] | None = None,
+              gate_device: str = "auto", families: FamilyRegistry = FAMILIES) -> Manifest:
+    """Write the half-precision `forms` (None: every one the family declares) onto `artifact`, an export of the
+    checkpoint `source`, in place of the forms it has: for an artifact exported where the gate could not run on
+    the forms' device. The portable graphs and their gates are kept as they are."""
+    artifact = Path(artifact)
+    manifest = Manifest.read(artifact)
+    progress = Progress(3)
+    progress(f"resolving checkpoint {source}")
+    checkpoint = resolve_checkpoint(source, revision)
+    if file_hashes(checkpoint) != manifest.source_files:
+        raise ValueError(f"{artifact} was not exported from {source}: the checkpoint's files differ from those its "
+                         "manifest records")
+    entry = families.recognise(checkpoint)
+    progress(f"loading the torch reference model of family {entry.name} (fp32)")
+    config: ExportConfig = entry.load_export_config()(checkpoint)
+    half_forms = _chosen_forms(config, forms)
+    progress.total += 2 * len(half_forms)
+    for form in manifest.forms.values():
+        for file in form.graphs.values():
+            for path in (artifact / file, artifact / f"{file}.data"):
+                path.unlink(missing_ok=True)
+    manifest = write_forms(config, half_forms, artifact, replace(manifest, forms={}), resolve_device(gate_device),
+                           progress)
+    _print_forms(manifest)
+    return manifest
+
+
+def _chosen_forms(config: ExportConfig, names: Sequence[str] | None) -> list[HalfForm]:
+    declared = config.forms()
+    if names is None:
+        return declared
+    unknown = sorted(set(names) - {form.name for form in declared})
+    if unknown:
+        raise ValueError(f"forms {', '.join(unknown)} are not among the family's: "
+                         f"{', '.join(form.name for form in declared) or 'none'}")
+    return [form for form in declared if form.name in names]
+
+
+def _print_forms(manifest: Manifest) -> None:
     for name, form in manifest.forms.items():
         print(f"form {name}: " + (f"refused ({form.refused})" if form.refused else form.gate["summary"]),
               file=sys.stderr)
-    return out

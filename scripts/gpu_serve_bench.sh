@@ -5,7 +5,7 @@
 # The machine has no fastapi/uvicorn/pydantic: gather their wheels here first, once:
 #   ../shared/device/prepare.sh fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
 #     uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 annotated-types==0.8.0 typing-inspection==0.4.5 click==8.5.1 \
-#     zstandard==0.25.0
+#     zstandard==0.25.0 opentelemetry-api==1.45.2 annotated-doc==0.0.7 typing_extensions==4.16.0
 #   bash scripts/gpu_serve_bench.sh SIZE MODE [SECONDS]
 set -euo pipefail
 size="$1"; mode="$2"; seconds="${3:-30}"
@@ -18,8 +18,17 @@ python3 -m systemone.reference_server "$work/checkpoint" --artifact "$work/artif
   > "$out/reference.log" 2>&1 &
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 for port in 8000 8001; do
-  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 0.5; done
-  [ "$port" = 8000 ] && echo "systemone serve -> first /health after $(echo "$(date +%s.%N) - $start" | bc) s"
+  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+    sleep 0.5
+    if [ -z "$(jobs -rp)" ] || [ "$(jobs -rp | wc -l)" -lt 2 ]; then  # a server died: say why, stop
+      tail -20 "$out/serve.log" "$out/reference.log"; exit 1
+    fi
+  done
+  if [ "$port" = 8000 ]; then  # the time a user waits from `systemone serve` to the first answer
+    curl -sf -o /dev/null http://127.0.0.1:8000/v1/systemone -H 'content-type: application/json' \
+      -d '{"state": "The parcel arrived crushed.", "questions": {"q": {"type": "noul", "instructions": "Refund?"}}}'
+    python3 -c "import time; print(f\"systemone serve -> first answer after {time.time() - $start:.1f} s\")"
+  fi
 done
 python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone \
   --reference http://127.0.0.1:8001/v1/systemone --family d3 --clients 1 8 64 --seconds "$seconds" \

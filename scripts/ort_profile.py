@@ -1,7 +1,8 @@
 """onnxruntime's own profile of an artifact's text graph on one token batch: kernel time by operator type, and
 the nodes placed outside the asked-for provider. Answers "where does the graph's time go" before optimising.
 
-    python scripts/ort_profile.py ARTIFACT [--device cuda] [--batch 8] [--length 200] [--runs 5] [--out F]
+    python scripts/ort_profile.py ARTIFACT [--device cuda] [--form auto] [--batch 8] [--length 200] [--runs 5]
+        [--out F]
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ def main() -> None:
 
     from systemone.runtime.artifact import Artifact
     from systemone.runtime.d3.code_logits import code_logit_feeds, text_positions
-    from systemone.runtime.session import PROVIDER_OPTIONS, resolve_providers
+    from systemone.runtime.session import provider_options, resolve_providers
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--form", default="auto", help="the artifact's form (auto: the one the runtime would take)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=200)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    artifact = Artifact.load(args.artifact)
+    artifact = Artifact.load(args.artifact).with_form(args.form, args.device)
     if artifact.manifest.family != "d3":
         raise SystemExit("the profile feeds d3's text graph inputs")
     providers = resolve_providers(args.device)
@@ -43,7 +45,7 @@ def main() -> None:
     options.profile_file_prefix = "/tmp/ort_profile"
     options.log_severity_level = 2  # warnings: nodes placed outside the asked-for provider are reported
     session = ort.InferenceSession(str(artifact.graph_path("text")), options,
-                                   providers=[(p, PROVIDER_OPTIONS.get(p, {})) for p in providers])
+                                   providers=[(p, provider_options(p, None)) for p in providers])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 150_000, args.length).tolist() for _ in range(args.batch)]
     feeds = code_logit_feeds(prompts, [text_positions(args.length)] * args.batch, None,
@@ -60,7 +62,8 @@ def main() -> None:
         by_op[op] += event["dur"] / 1000.0 / args.runs
         providers_seen[event["args"].get("provider", "?")].add(op)
     total = sum(by_op.values())
-    report = {"batch": args.batch, "length": args.length, "provider": session.get_providers()[0],
+    report = {"batch": args.batch, "length": args.length, "form": artifact.form,
+              "provider": session.get_providers()[0],
               "kernel_ms_per_run": total,
               "by_op": {op: {"ms": ms, "share": ms / total} for op, ms in sorted(by_op.items(), key=lambda x: -x[1])},
               "ops_by_provider": {p: sorted(ops) for p, ops in providers_seen.items()}}

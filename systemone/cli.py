@@ -73,10 +73,14 @@ def _print_error(exc: Exception) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export.pipeline import export_checkpoint
+    from .export.pipeline import add_forms, export_checkpoint
 
-    export_checkpoint(args.source, args.out, revision=args.revision, atol=args.atol, prob_atol=args.prob_atol,
-                      overwrite=args.overwrite, half_forms=not args.portable_only, gate_device=args.gate_device)
+    forms = [] if args.portable_only else args.forms.split(",") if args.forms else None
+    if args.add_forms:
+        add_forms(args.source, args.out, revision=args.revision, forms=forms, gate_device=args.gate_device)
+    else:
+        export_checkpoint(args.source, args.out, revision=args.revision, atol=args.atol, prob_atol=args.prob_atol,
+                          overwrite=args.overwrite, forms=forms, gate_device=args.gate_device)
     return 0
 
 
@@ -294,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     export.add_argument("--portable-only", action="store_true",
                         help="write only the portable fp32 graphs, not the gated half-precision CUDA form")
+    export.add_argument("--forms", metavar="NAME[,NAME]",
+                        help="the half-precision forms to try, of those the family declares (default: all, in order)")
+    export.add_argument("--add-forms", action="store_true",
+                        help="write the half-precision forms onto --out, an artifact already exported from SOURCE "
+                             "(for a gate on the forms' device); its portable graphs are kept")
     export.add_argument("--gate-device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the half-precision form's answer gate runs (auto: CUDA when onnxruntime has it)")
     export.set_defaults(func=cmd_export)

@@ -5,6 +5,7 @@ manifest records each form with its dtype, provider and gate figures; the runtim
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from systemone.export.answer_gate import QuestionPair, gate_answers
 from systemone.export.config import AnswerTolerance, ParityError
-from systemone.export.pipeline import export_checkpoint
+from systemone.export.pipeline import add_forms
 from systemone.runtime.artifact import Artifact, ArtifactError
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
@@ -27,7 +28,7 @@ def test_export_writes_a_gated_half_precision_form(family, request):
     manifest = json.loads((artifact / "manifest.json").read_text())
     form = manifest["forms"][FORM]
     assert form["dtype"] == "float16" and form["providers"] == ["cuda"] and "refused" not in form
-    assert form["graphs"] == {"text": "text.fp16.onnx"}
+    assert form["graphs"] == {"text": "text.cuda-fp16.onnx"}
     gate = form["gate"]
     assert gate["questions"] >= 200 and gate["max_abs_dp"] <= 0.02 and gate["median_abs_dp"] <= 0.003
     assert gate["clear_picks_differing"] == [] and gate["questions_with_clear_pick"] > 100
@@ -39,7 +40,7 @@ def test_export_writes_a_gated_half_precision_form(family, request):
 @pytest.mark.parametrize("family", ["d3", "d1"])
 def test_the_half_precision_graph_keeps_its_inputs_outputs_and_readout_in_fp32(family, request):
     artifact = request.getfixturevalue(f"{family}_artifact")
-    half = onnx.load(str(artifact / "text.fp16.onnx"))
+    half = onnx.load(str(artifact / "text.cuda-fp16.onnx"))
     portable = onnx.load(str(artifact / "text.onnx"), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in [*half.graph.input, *half.graph.output]}
     assert types == {v.name: v.type.tensor_type.elem_type for v in [*portable.graph.input, *portable.graph.output]}
@@ -66,7 +67,7 @@ def test_the_runtime_picks_the_form_for_its_device(d3_artifact):
     artifact = Artifact.load(d3_artifact)
     assert artifact.forms_for("cuda") == [FORM, "portable"]
     assert artifact.forms_for("cpu") == ["portable"] and artifact.forms_for("rocm") == ["portable"]
-    assert artifact.with_form("auto", "cuda").graph_path("text").name == "text.fp16.onnx"
+    assert artifact.with_form("auto", "cuda").graph_path("text").name == "text.cuda-fp16.onnx"
     assert artifact.with_form("auto", "cuda").graph_path("vision").name == "vision.onnx"  # not rewritten
     assert artifact.with_form("auto", "cpu").graph_path("text").name == "text.onnx"
     assert DecisionService(artifact, EngineOptions(device="cpu")).form == "portable"
@@ -86,22 +87,41 @@ def test_a_form_named_outright_runs_anywhere_and_answers_like_the_portable_one(d
         assert max(abs(p - half[k]) for k, p in answer["probabilities"].items()) <= 0.02
 
 
-def test_a_form_that_fails_its_gate_is_not_written(d3_checkpoint, tmp_path, monkeypatch, capsys):
+def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_checkpoint, d3_artifact, tmp_path,
+                                                                              monkeypatch, capsys):
+    """`export --add-forms` on a copy of the artifact, the all-fp16 form held to an impossible bound: it is refused
+    and removed, and the matmuls-only form is written in its place."""
     from systemone.export.d3.config import D3ExportConfig
 
     real = D3ExportConfig.forms
     monkeypatch.setattr(D3ExportConfig, "forms", lambda self: [
-        replace(form, tolerance=AnswerTolerance(max_dp=1e-9)) for form in real(self)])
-    out = export_checkpoint(str(d3_checkpoint), tmp_path / "art", lengths=(7,))
+        replace(form, tolerance=AnswerTolerance(max_dp=1e-9)) if form.name == FORM else form for form in real(self)])
+    out = tmp_path / "art"
+    shutil.copytree(d3_artifact, out)
+    manifest = add_forms(str(d3_checkpoint), out)
     assert "the cuda-fp16 form is not written: answers disagree with the torch fp32 model over 210 questions: " \
            "max |dp|" in capsys.readouterr().err
-    form = json.loads((out / "manifest.json").read_text())["forms"][FORM]
-    assert form["refused"].startswith("answers disagree") and form["graphs"] == {}
-    assert not (out / "text.fp16.onnx").exists() and not (out / "text.fp16.onnx.data").exists()
+    refused, written = manifest.forms[FORM], manifest.forms["cuda-fp16-matmuls"]
+    assert refused.refused.startswith("answers disagree") and refused.graphs == {}
+    assert not (out / "text.cuda-fp16.onnx").exists() and not (out / "text.cuda-fp16.onnx.data").exists()
+    assert written.refused is None and written.gate["max_abs_dp"] <= 0.02
+    assert written.graphs == {"text": "text.cuda-fp16-matmuls.onnx"}
     artifact = Artifact.load(out)
-    assert artifact.forms_for("cuda") == ["portable"]  # a CUDA server runs the portable graphs
+    assert artifact.forms_for("cuda") == ["cuda-fp16-matmuls", "portable"]
     with pytest.raises(ArtifactError, match="export refused it: answers disagree"):
         artifact.with_form(FORM, "cuda")
+    # Only the matrix products and the embedding lookup are fp16: norms, softmax and the residual stream stay fp32.
+    half = onnx.load(str(out / "text.cuda-fp16-matmuls.onnx"), load_external_data=False)
+    fp16_values = {v.name for v in half.graph.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
+    producers = {n.op_type for n in half.graph.node if any(o in fp16_values for o in n.output)}
+    assert producers == {"MatMul", "Gather", "Cast"}
+
+
+def test_forms_are_added_only_to_an_export_of_the_same_checkpoint(d1_checkpoint, d3_artifact, tmp_path):
+    out = tmp_path / "art"
+    shutil.copytree(d3_artifact, out)
+    with pytest.raises(ValueError, match="was not exported from .*: the checkpoint's files differ"):
+        add_forms(str(d1_checkpoint), out)
 
 
 # -- the gate's rule ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from ...runtime.d1.image_processor import Lfm2ImageConfig
 from ...runtime.d1.state import D1TextRunner, StateLayout
 from ...runtime.session import GraphSession
 from ...runtime.tokenizer import PromptTokenizer
-from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles
+from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
 from ..parity import sample_prompts
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
 from .lfm2_text import D1TextGraph
@@ -218,9 +218,10 @@ class D1ExportConfig(ExportConfig):
     def forms(self) -> list[HalfForm]:
         from .answer_parity import parity_requests, question_pairs
 
-        # The text graph in fp16 (its state in and out kept fp32); the vision graph stays the portable fp32 one.
-        return [HalfForm("cuda-fp16", ("cuda",), {"text": tuple(TEXT_OUTPUTS)},
-                         lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)))]
+        # The text graph in half precision (its state in and out kept fp32); the vision graph stays the portable
+        # fp32 one.
+        return cuda_forms({"text": tuple(TEXT_OUTPUTS)},
+                          lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)))
 
     def write_runtime_files(self, out: Path) -> RuntimeFiles:
         """Tokenizer (as transformers loads it for lfm2_vl: tokenizer.json as is, spec 3.4), the processor's chat

@@ -18,7 +18,7 @@ from ...runtime.batch import BatchBudget, MediaRows
 from ...runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
-from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles
+from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
 from ..parity import check_parity, sample_prompts, worst_vision_sample
 from .qwen3_5_text import D3TextGraph
 from .qwen3_5_vision import D3VisionGraph
@@ -112,9 +112,10 @@ class D3ExportConfig(ExportConfig):
                                         "linear_attention": None}
         position_ids = torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device)
         hidden = self.model(position_ids=position_ids, **inputs).last_hidden_state[0, -1].float()
-        logits = hidden @ self.readout_weight.to(device).t()
-        if self.readout_bias is not None:
-            logits = logits + self.readout_bias.to(device)
+        with torch.autocast(device.type, enabled=False):  # the readout in fp32, whatever precision the model ran at
+            logits = hidden @ self.readout_weight.to(device).t()
+            if self.readout_bias is not None:
+                logits = logits + self.readout_bias.to(device)
         return logits.cpu().numpy()
 
     @torch.no_grad()
@@ -210,9 +211,10 @@ class D3ExportConfig(ExportConfig):
     def forms(self) -> list[HalfForm]:
         from .answer_parity import parity_requests, question_pairs
 
-        # The text graph in fp16; the vision graph stays the portable fp32 one (no answer gate covers it yet).
-        return [HalfForm("cuda-fp16", ("cuda",), {"text": tuple(TEXT_OUTPUTS)},
-                         lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)))]
+        # The text graph in half precision; the vision graph stays the portable fp32 one (no answer gate covers it
+        # yet).
+        return cuda_forms({"text": tuple(TEXT_OUTPUTS)},
+                          lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)))
 
     def write_runtime_files(self, staging: Path) -> RuntimeFiles:
         bits = write_runtime_files(self.checkpoint, staging)
