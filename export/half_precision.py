@@ -108,6 +108,21 @@ def drop_dead_nodes(graph) -> None:
             graph.node.remove(node)
 
 
+def drop_twin_casts(graph) -> None:
+    """The converter adds one cast per value_info entry, and an exported graph may list a value twice: the same
+    Cast of the same value to the same name, twice, which onnxruntime refuses. Keep the first."""
+    made: dict[str, tuple] = {}
+    for node in list(graph.node):
+        key = (node.op_type, tuple(node.input), tuple(a.SerializeToString() for a in node.attribute))
+        if node.op_type == "Cast" and node.output[0] in made:
+            if made[node.output[0]] != key:
+                raise ValueError(f"two different casts write {node.output[0]!r}")
+            graph.node.remove(node)
+            continue
+        for output in node.output:
+            made[output] = key
+
+
 def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], precision: Precision = FLOAT16
                     ) -> None:
     """Write `source` (an fp32 ONNX graph) as a graph at `precision` at `target`, its weights beside it in
@@ -116,9 +131,12 @@ def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], pre
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     model = onnx.load(str(source))
+    seen: set[str] = set()
     for node_index, node in enumerate(model.graph.node):
-        if not node.name:  # the block lists go by node name
-            node.name = f"{node.op_type}_{node_index}"
+        # The block lists go by node name, and the converter names its casts and their values after the node.
+        if not node.name or node.name in seen:
+            node.name = f"{node.name or node.op_type}_{node_index}"
+        seen.add(node.name)
     keep = readout_tail(model.graph, fp32_outputs)
     blocked_ops = {*DEFAULT_OP_BLOCK_LIST, *FP32_OPS}
     weights = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
@@ -132,8 +150,10 @@ def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], pre
                 fp32_weights[name].name = f"{name}_fp32"
     half = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True,
                                     op_block_list=sorted(blocked_ops), node_block_list=sorted(kept))
+    drop_twin_casts(half.graph)
     join_fp32_islands(half.graph, kept, fp32_weights)
     drop_dead_nodes(half.graph)
+
     used = {name for node in half.graph.node for name in node.input}
     unused = [t for t in half.graph.initializer if t.name not in used]  # fp16 copies of restored weights
     for tensor in unused:
