@@ -149,3 +149,22 @@ def test_a_pick_may_differ_only_where_the_reference_is_undecided():
     clear = pairs(199, [0.5, 0.5], [0.5, 0.5]) + [QuestionPair("flip", [0.49, 0.51, 0.0], [0.5, 0.47, 0.03])]
     with pytest.raises(ParityError, match="1 clear picks differ \\(first: flip\\)"):
         gate_answers(clear)
+
+
+# -- the conversion's repairs --------------------------------------------------------------------------------------
+def test_twin_casts_the_converter_writes_for_a_value_listed_twice_are_made_one():
+    """Seen on the d3-nano text graph (not the tiny one): the same Cast of the same value to the same name, twice,
+    which onnxruntime refuses as a duplicate definition."""
+    from onnx import TensorProto, helper
+
+    from systemone.export.half_precision import drop_twin_casts
+
+    def cast(name: str, to: int):
+        return helper.make_node("Cast", ["y"], ["y_cast_to_fp32"], name, to=to)
+
+    graph = helper.make_graph([cast("c", TensorProto.FLOAT), cast("c", TensorProto.FLOAT)], "g", [], [])
+    drop_twin_casts(graph)
+    assert len(graph.node) == 1
+    graph = helper.make_graph([cast("c", TensorProto.FLOAT), cast("c", TensorProto.DOUBLE)], "g", [], [])
+    with pytest.raises(ValueError, match="two different casts write 'y_cast_to_fp32'"):
+        drop_twin_casts(graph)
