@@ -13,22 +13,14 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 from systemone.loadgen import KINDS, HttpClient, RequestMix, closed_loop
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from systemone.local_server import free_port, start_server
 
 
 def probabilities(payload: bytes) -> dict[tuple[str, str], float]:
@@ -54,19 +46,6 @@ async def one_at_a_time(url: str, kept: list[tuple[dict[str, Any], bytes]]) -> f
     return worst
 
 
-def wait_ready(base: str, server: subprocess.Popen, within_s: float = 300) -> None:
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("the server did not start")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact")
@@ -84,8 +63,8 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu", "--port", str(port),
                "--log-level", "warning", *[f for f in serve_flags if f != "--"]]
-    server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                              text=True)
+    server = start_server(command, base, 300, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                          text=True)
     url = base + "/v1/systemone"
     runs: list[dict[str, Any]] = []
     kept: list[tuple[dict[str, Any], bytes]] = []
@@ -95,7 +74,6 @@ def main() -> None:
             kept.append((body, payload))
 
     try:
-        wait_ready(base, server)
         for round_ in range(args.rounds):
             for clients in (1, args.clients):
                 mix = RequestMix(args.family, round_, kinds)

@@ -11,8 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -21,13 +19,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from systemone.local_server import free_port, start_server
+
 REQUEST = json.loads((Path(__file__).parent / "demo_request.json").read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def phase(base: str, clients: int, per_client: int, timeout: float) -> dict:
@@ -74,18 +68,12 @@ def main() -> None:
     args = parser.parse_args()
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu",
-                               "--port", str(port), "--max-concurrency", str(args.max_concurrency),
-                               "--max-queue", str(args.max_queue), "--log-level", "warning"],
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
+    server = start_server([sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu",
+                           "--port", str(port), "--max-concurrency", str(args.max_concurrency),
+                           "--max-queue", str(args.max_queue), "--log-level", "warning"],
+                          base, 60, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         capacity = args.max_concurrency + args.max_queue
         report = {"server": {"max_concurrency": args.max_concurrency, "max_queue": args.max_queue,
                              "capacity": capacity}}

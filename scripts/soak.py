@@ -29,6 +29,8 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
+from systemone.local_server import free_port, start_server
+
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = {"state": {"ticket": "printer on fire", "priority": "high"},
         "questions": {"q": NOUL, "c": {"type": "choice", "instructions": "Which team?",
@@ -126,22 +128,14 @@ def main() -> int:
     drip.daemon_threads = True
     threading.Thread(target=drip.serve_forever, daemon=True).start()
     drip_url = f"http://127.0.0.1:{drip.server_address[1]}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     kinds = attacks(port, media, drip_url)
-    server = subprocess.Popen([sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu",
-                               "--port", str(port), "--allow-private-media-hosts", "--allowed-local-media-path",
-                               str(media), "--log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=open(media / "server.log", "wb"))
     base = f"http://127.0.0.1:{port}"
+    server = start_server([sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu",
+                           "--port", str(port), "--allow-private-media-hosts", "--allowed-local-media-path",
+                           str(media), "--log-level", "warning"],
+                          base, 300, stdout=subprocess.DEVNULL, stderr=open(media / "server.log", "wb"))
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
         statuses: dict[str, Counter] = defaultdict(Counter)
         good_seconds: list[float] = []
         rss: list[tuple[float, float]] = []

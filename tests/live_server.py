@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
 
 import uvicorn
 
+from systemone.local_server import free_port
 from systemone.runtime.service import DecisionService
 from systemone.server.app import ServerOptions, create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -13,9 +13,10 @@ import time
 
 import httpx
 
+from systemone.local_server import free_port, start_server
 from systemone.server.app import ServerOptions
 from systemone.server.connections import guarded_protocol
-from tests.live_server import free_port, live_server
+from tests.live_server import live_server
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = json.dumps({"state": "x", "questions": {"q": NOUL}}).encode()
@@ -121,25 +122,13 @@ def test_gzip_bodies_with_trailing_data_are_400(d3_service):
             assert response.status_code == 400 and "after its end" in response.json()["error"]["message"]
 
 
-def wait_for_health(server: subprocess.Popen, port: int, within_s: float = 120) -> None:
-    """Until the server's /health answers 200, it exits, or `within_s` passes."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.3)
-
-
 def test_log_level_trace_serves(d3_artifact):
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu",
-                               "--port", str(port), "--log-level", "trace"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Fails with the server's stderr unless its first /health answers; the second is after it logged the first.
+    server = start_server([sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu",
+                           "--port", str(port), "--log-level", "trace"],
+                          f"http://127.0.0.1:{port}", 120, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_for_health(server, port)
-        assert server.poll() is None, server.stderr.read().decode()[-2000:]
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     finally:
         server.terminate()
@@ -157,12 +146,12 @@ def test_half_open_connections_past_the_cap_neither_wedge_the_server_nor_flood_i
     def few_descriptors():
         resource.setrlimit(resource.RLIMIT_NOFILE, (272, 272))
 
-    server = subprocess.Popen([sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu",
-                               "--port", str(port), "--header-timeout", "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=few_descriptors)
+    server = start_server([sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu",
+                           "--port", str(port), "--header-timeout", "2"],
+                          f"http://127.0.0.1:{port}", 120, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          preexec_fn=few_descriptors)
     sockets = []
     try:
-        wait_for_health(server, port)
         for _ in range(400):
             s = socket.create_connection(("127.0.0.1", port))
             s.sendall(b"GET /heal")
