@@ -89,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from .server.allocator import release_freed_memory
     from .server.app import ServerOptions, create_app
     from .server.auth import is_loopback
     from .server.connections import AcceptFailureFilter, guarded_protocol, raise_descriptor_limit
@@ -108,10 +109,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("asyncio").addFilter(AcceptFailureFilter())
     # Connections stay below the descriptor limit (model files, media sockets and logs need some too).
     max_connections = min(args.max_connections, max(16, raise_descriptor_limit() - 256))
+    released = release_freed_memory()  # before the service allocates: the settings hold from here on
     service = _service(args)
     app = create_app(service, options)
     _print_summary(service, args)
     print(f"systemone serve: {'batch rows':<13} {app.state.batch_sizing.describe()}", flush=True)
+    print(f"systemone serve: {'allocator':<13} "
+          + ("buffers of 1 MiB and more unmapped when freed, 2 malloc arenas" if released
+             else "the C library's defaults (not glibc)"), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(args.request_timeout) + 5,
                 http=guarded_protocol(args.header_timeout, max_connections), limit_concurrency=max_connections,
