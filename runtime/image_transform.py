@@ -153,10 +153,18 @@ def fit_area(height: int, width: int, h_bar: int, w_bar: int, factor: int, min_p
 
 
 def normalize(image: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """uint8 [.., H, W, C] -> float32 (x - 255 mean) / (255 std), the fused rescale+normalize of transformers."""
+    """uint8 [.., H, W, C] -> float32 (x - 255 mean) / (255 std), the fused rescale+normalize of transformers.
+
+    The same float32 arithmetic, done once for each of the 256 values of each channel, then looked up (OpenCV's
+    LUT): the values are the ones computed pixel by pixel, without the float32 copies of the image in between."""
+    import cv2
+
     mean255 = (np.asarray(mean, dtype=np.float32) * np.float32(255.0)).astype(np.float32)
     std255 = (np.asarray(std, dtype=np.float32) * np.float32(255.0)).astype(np.float32)
-    return (image.astype(np.float32) - mean255) / std255
+    table = (np.arange(256, dtype=np.float32)[:, None] - mean255) / std255  # [256, C]
+    channels = image.shape[-1]
+    pixels = image.reshape(-1, image.shape[-2], channels)  # OpenCV's [rows, cols, channels]
+    return cv2.LUT(pixels, table.reshape(256, 1, channels)).reshape(image.shape)
 
 
 def patchify(frames: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, tuple[int, int, int]]:
