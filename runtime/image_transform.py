@@ -52,22 +52,18 @@ def _int16_taps(in_size: int, out_size: int, filt: _Filter = BICUBIC) -> tuple[n
     support = filt.radius * scale if scale >= 1.0 else filt.radius
     inv_scale = 1.0 / scale if scale >= 1.0 else 1.0
     max_taps = int(math.ceil(support)) * 2 + 1
-    bounds, rows = [], []
-    for i in range(out_size):
-        center = scale * (i + 0.5)
-        lo = max(int(center - support + 0.5), 0)
-        hi = min(int(center + support + 0.5), in_size)
-        hi = min(hi, lo + max_taps)  # torch clips the rare extra tap that rounding can add
-        taps = filt.kernel((np.arange(lo, hi) - center + 0.5) * inv_scale)
-        total = taps.sum()
-        bounds.append(lo)
-        rows.append(taps / total if total != 0 else taps)
-    width = max(len(r) for r in rows)
-    index = np.zeros((out_size, width), dtype=np.intp)
-    weights = np.zeros((out_size, width), dtype=np.float64)
-    for i, (lo, row) in enumerate(zip(bounds, rows)):
-        index[i] = np.minimum(lo + np.arange(width), in_size - 1)
-        weights[i, :len(row)] = row
+    # Every output pixel at once, with the scalar loop's float64 operations in its order (astype truncates as int()).
+    centers = scale * (np.arange(out_size) + 0.5)
+    lo = np.maximum((centers - support + 0.5).astype(np.intp), 0)
+    hi = np.minimum((centers + support + 0.5).astype(np.intp), in_size)
+    hi = np.minimum(hi, lo + max_taps)  # torch clips the rare extra tap that rounding can add
+    index = lo[:, None] + np.arange(int((hi - lo).max()))
+    taps = filt.kernel((index - centers[:, None] + 0.5) * inv_scale)
+    taps[index >= hi[:, None]] = 0.0
+    # Each pixel's own taps summed on their own: numpy's pairwise order depends on the count, so no padded rows.
+    totals = np.array([row[:count].sum() for row, count in zip(taps, (hi - lo).tolist())])[:, None]
+    weights = np.divide(taps, totals, out=taps, where=totals != 0)
+    index = np.minimum(index, in_size - 1)
     precision = 0
     while precision < 22 and int(0.5 + weights.max() * (1 << (precision + 1))) < (1 << 15):
         precision += 1
