@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -41,60 +42,73 @@ BICUBIC = _Filter(_cubic, 2.0)
 BILINEAR = _Filter(_triangle, 1.0)
 
 
+# One video's frames share one size, and photos often do: the taps of a size pair are computed once, not per frame.
+@lru_cache(maxsize=64)
 def _int16_taps(in_size: int, out_size: int, filt: _Filter = BICUBIC) -> tuple[np.ndarray, np.ndarray, int]:
     """Per output pixel: input indices [out, K], int weights [out, K] and their precision in bits, as
-    torchvision's uint8 kernel computes them (Pillow's filter support, weights scaled to fit int16)."""
+    torchvision's uint8 kernel computes them (Pillow's filter support, weights scaled to fit int16); read-only,
+    since they are shared."""
     scale = in_size / out_size
     support = filt.radius * scale if scale >= 1.0 else filt.radius
     inv_scale = 1.0 / scale if scale >= 1.0 else 1.0
     max_taps = int(math.ceil(support)) * 2 + 1
-    bounds, rows = [], []
-    for i in range(out_size):
-        center = scale * (i + 0.5)
-        lo = max(int(center - support + 0.5), 0)
-        hi = min(int(center + support + 0.5), in_size)
-        hi = min(hi, lo + max_taps)  # torch clips the rare extra tap that rounding can add
-        taps = filt.kernel((np.arange(lo, hi) - center + 0.5) * inv_scale)
-        total = taps.sum()
-        bounds.append(lo)
-        rows.append(taps / total if total != 0 else taps)
-    width = max(len(r) for r in rows)
-    index = np.zeros((out_size, width), dtype=np.int64)
-    weights = np.zeros((out_size, width), dtype=np.float64)
-    for i, (lo, row) in enumerate(zip(bounds, rows)):
-        index[i] = np.minimum(lo + np.arange(width), in_size - 1)
-        weights[i, :len(row)] = row
+    # Every output pixel at once, with the scalar loop's float64 operations in its order (astype truncates as int()).
+    centers = scale * (np.arange(out_size) + 0.5)
+    lo = np.maximum((centers - support + 0.5).astype(np.intp), 0)
+    hi = np.minimum((centers + support + 0.5).astype(np.intp), in_size)
+    hi = np.minimum(hi, lo + max_taps)  # torch clips the rare extra tap that rounding can add
+    index = lo[:, None] + np.arange(int((hi - lo).max()))
+    taps = filt.kernel((index - centers[:, None] + 0.5) * inv_scale)
+    taps[index >= hi[:, None]] = 0.0
+    # Each pixel's own taps summed on their own: numpy's pairwise order depends on the count, so no padded rows.
+    totals = np.array([row[:count].sum() for row, count in zip(taps, (hi - lo).tolist())])[:, None]
+    weights = np.divide(taps, totals, out=taps, where=totals != 0)
+    index = np.minimum(index, in_size - 1)
     precision = 0
     while precision < 22 and int(0.5 + weights.max() * (1 << (precision + 1))) < (1 << 15):
         precision += 1
     scaled = weights * (1 << precision)
-    return index, np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5)), precision
+    rounded = np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5)).astype(np.int32)
+    index.flags.writeable = rounded.flags.writeable = False
+    return index, rounded, precision
 
 
-def _resample_axis(image: np.ndarray, out_size: int, axis: int, filt: _Filter = BICUBIC) -> np.ndarray:
-    """One pass along `axis`: integer taps summed exactly (in float64: every partial sum is an integer below
-    2^53), then rounded, shifted and clipped to uint8 like the C kernel."""
-    index, weights, precision = _int16_taps(image.shape[axis], out_size, filt)
-    source = np.moveaxis(image, axis, 0)
-    out = np.empty((out_size, *source.shape[1:]), dtype=np.uint8)
-    extra = (slice(None),) + (None,) * (source.ndim - 1)
-    # Column blocks keep the float64 working set near 64 MiB whatever the image size.
-    block = max(1, (8 << 20) // max(1, source.shape[0] * int(np.prod(source.shape[2:]))))
-    for start in range(0, source.shape[1], block):
-        part = source[:, start:start + block].astype(np.float64)
-        acc = np.zeros((out_size, *part.shape[1:]), dtype=np.float64)
+# Columns of one block: its int32 input, accumulator and tap (12 bytes a row) are about 2.5 MiB for a 720p frame
+# shrunk to 576 wide, near the core's caches, instead of float64 copies of the whole image.
+BLOCK_COLUMNS = 256
+
+
+def _resample_rows(image: np.ndarray, out_size: int, filt: _Filter) -> np.ndarray:
+    """One pass along axis 0 of a uint8 array, like the C kernel: integer taps summed in int32 (exact: |sum| <
+    255 * 1.1 * 2^22 < 2^31, as in torch), rounded, shifted and clipped to uint8. Each tap gathers whole rows."""
+    index, weights, precision = _int16_taps(image.shape[0], out_size, filt)
+    rows = image.reshape(image.shape[0], -1)
+    out = np.empty((out_size, rows.shape[1]), dtype=np.uint8)
+    for start in range(0, rows.shape[1], BLOCK_COLUMNS):
+        part = rows[:, start:start + BLOCK_COLUMNS].astype(np.int32)
+        acc = np.full((out_size, part.shape[1]), 1 << (precision - 1), dtype=np.int32)
+        tap = np.empty_like(acc)
         for k in range(index.shape[1]):
-            acc += weights[:, k][extra] * part[index[:, k]]
-        shifted = (acc.astype(np.int64) + (1 << (precision - 1))) >> precision
-        out[:, start:start + block] = np.clip(shifted, 0, 255)
-    return np.moveaxis(out, 0, axis)
+            np.take(part, index[:, k], axis=0, out=tap, mode="clip")  # indices are in range; "clip" skips a copy
+            tap *= weights[:, k, None]
+            acc += tap
+        acc >>= precision
+        out[:, start:start + BLOCK_COLUMNS] = np.clip(acc, 0, 255, out=acc)
+    return out.reshape(out_size, *image.shape[1:])
+
+
+def _transposed(image: np.ndarray) -> np.ndarray:
+    """[H, W, C] -> [W, H, C], contiguous (OpenCV's transpose: several times numpy's copy of a 3-byte pixel)."""
+    import cv2
+
+    return cv2.transpose(image).reshape(image.shape[1], image.shape[0], *image.shape[2:])
 
 
 def _resize(image: np.ndarray, height: int, width: int, filt: _Filter) -> np.ndarray:
-    if image.shape[1] != width:
-        image = _resample_axis(image, width, axis=1, filt=filt)
+    if image.shape[1] != width:  # resampled as rows of the transpose, so every tap gathers contiguous rows
+        image = _transposed(_resample_rows(_transposed(image), width, filt))
     if image.shape[0] != height:
-        image = _resample_axis(image, height, axis=0, filt=filt)
+        image = _resample_rows(image, height, filt)
     return image
 
 
@@ -135,10 +149,18 @@ def fit_area(height: int, width: int, h_bar: int, w_bar: int, factor: int, min_p
 
 
 def normalize(image: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """uint8 [.., H, W, C] -> float32 (x - 255 mean) / (255 std), the fused rescale+normalize of transformers."""
+    """uint8 [.., H, W, C] -> float32 (x - 255 mean) / (255 std), the fused rescale+normalize of transformers.
+
+    The same float32 arithmetic, done once for each of the 256 values of each channel, then looked up (OpenCV's
+    LUT): the values are the ones computed pixel by pixel, without the float32 copies of the image in between."""
+    import cv2
+
     mean255 = (np.asarray(mean, dtype=np.float32) * np.float32(255.0)).astype(np.float32)
     std255 = (np.asarray(std, dtype=np.float32) * np.float32(255.0)).astype(np.float32)
-    return (image.astype(np.float32) - mean255) / std255
+    table = (np.arange(256, dtype=np.float32)[:, None] - mean255) / std255  # [256, C]
+    channels = image.shape[-1]
+    pixels = image.reshape(-1, image.shape[-2], channels)  # OpenCV's [rows, cols, channels]
+    return cv2.LUT(pixels, table.reshape(256, 1, channels)).reshape(image.shape)
 
 
 def patchify(frames: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, tuple[int, int, int]]:

@@ -37,12 +37,13 @@ def decode_image(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS,
         if allowance is not None:
             allowance.take_pixels(width * height, where, f"Image {width}x{height}")
         image.load()
-        image = ImageOps.exif_transpose(image)
+        # In place, and no conversion of an RGB image: both would copy every pixel (a video's frames come here).
+        ImageOps.exif_transpose(image, in_place=True)
         if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
             rgba = image.convert("RGBA")
             background = Image.new("RGBA", rgba.size, WHITE + (255,))
             image = Image.alpha_composite(background, rgba)
-        return np.asarray(image.convert("RGB"), dtype=np.uint8)
+        return np.asarray(image if image.mode == "RGB" else image.convert("RGB"), dtype=np.uint8)
     except MediaError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, MemoryError) as exc:
