@@ -32,7 +32,9 @@ CHUNK = 64
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    # Divided by the root rather than times its reciprocal: the pattern onnxruntime fuses into one
+    # SimplifiedLayerNormalization kernel (fp32 accumulation, one launch instead of six).
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _norm_1p(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
