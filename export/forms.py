@@ -24,6 +24,13 @@ def form_files(form: HalfForm) -> dict[str, str]:
     return {graph: f"{graph}.{form.name}.onnx" for graph in form.graphs}
 
 
+def remove_form_files(root: Path, files: dict[str, str]) -> None:
+    """A form's graph files (by graph name) and their weights, where they are."""
+    for file in files.values():
+        for path in (root / file, root / f"{file}.data"):
+            path.unlink(missing_ok=True)
+
+
 def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str) -> dict[str, Any]:
     """The runtime on `form` (staged artifact, `device`) against the torch fp32 model on the form's questions."""
     from ..runtime.artifact import Artifact
@@ -58,9 +65,7 @@ def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, mani
             written.add(form.providers)
         except ParityError as exc:
             print(f"the {form.name} form is not written: {exc}", file=sys.stderr)
-            for file in files.values():
-                for path in (staging / file, staging / f"{file}.data"):
-                    path.unlink(missing_ok=True)
+            remove_form_files(staging, files)
             entry = FormEntry(HALF_DTYPE, list(form.providers), refused=str(exc))
         manifest = replace(manifest, forms={**manifest.forms, form.name: entry})
     manifest.write(staging)

@@ -22,7 +22,7 @@ from ..models.registry import FAMILIES, FamilyRegistry
 from ..runtime.artifact import GraphEntry, Manifest
 from ..runtime.session import resolve_device
 from .config import ExportConfig, GraphSpec, HalfForm, ParityError
-from .forms import write_forms
+from .forms import remove_form_files, write_forms
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
 from .source import checkpoint_name, file_hashes, resolve_checkpoint
 
@@ -162,9 +162,7 @@ def add_forms(source: str, artifact: str | Path, *, revision: str | None = None,
     half_forms = _chosen_forms(config, forms)
     progress.total += 2 * len(half_forms)
     for form in manifest.forms.values():
-        for file in form.graphs.values():
-            for path in (artifact / file, artifact / f"{file}.data"):
-                path.unlink(missing_ok=True)
+        remove_form_files(artifact, form.graphs)
     manifest = write_forms(config, half_forms, artifact, replace(manifest, forms={}), resolve_device(gate_device),
                            progress)
     _print_forms(manifest)

@@ -45,9 +45,8 @@ def _service(args: argparse.Namespace):
         allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
         allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes,
         image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout)
-    gpu_memory = int(args.gpu_memory * (1 << 30)) if args.gpu_memory else None
     options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy,
-                            form=args.form, gpu_memory=gpu_memory)
+                            form=args.form, gpu_memory=_gib_bytes(args.gpu_memory))
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
                            media_limits=MediaLimits(args.limit_images, args.limit_videos),
                            aliases=() if args.no_jev_latest_alias else DEFAULT_ALIASES,
@@ -55,6 +54,11 @@ def _service(args: argparse.Namespace):
                            media_budget=MediaBudget(args.max_request_pixels, args.max_request_media_bytes,
                                                     args.max_video_frame_pixels, args.max_jpeg_video_frames,
                                                     args.max_video_decode_pixels))
+
+
+def _gib_bytes(gib: float | None) -> int | None:
+    """`--gpu-memory GIB` in bytes (None: unbounded)."""
+    return int(gib * (1 << 30)) if gib else None
 
 
 def _print_error(exc: Exception) -> int:
@@ -200,10 +204,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.checkpoint or not args.artifact:
         print("systemone bench: give CHECKPOINT and --artifact (or --serve URL for a load run)", file=sys.stderr)
         return 2
-    gpu_memory = int(args.gpu_memory * (1 << 30)) if args.gpu_memory else None
     report = run_bench(Path(args.checkpoint), Path(args.artifact), args.device, tuple(args.batches),
                        tuple(args.lengths), args.repeats, args.request_repeats, tuple(args.torch_dtypes),
-                       forms=tuple(args.forms) if args.forms else None, gpu_memory=gpu_memory)
+                       forms=tuple(args.forms) if args.forms else None, gpu_memory=_gib_bytes(args.gpu_memory))
     if args.out:
         write_report(report, Path(args.out))
     print(json.dumps(report, indent=2))
