@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class GraphSpec:
     dynamic_shapes: Any
     module: Callable[[], Any]
     example_inputs: Callable[[], tuple[Any, ...]]
+    translations: dict[Any, Callable[..., Any]] | None = None  # custom torch ops -> the ONNX they become
 
     @property
     def file(self) -> str:
@@ -78,13 +79,19 @@ class HalfForm:
     answer_pairs: Callable[[Any], list[Any]]
     precision: Precision = FLOAT16
     tolerance: AnswerTolerance = AnswerTolerance()
+    # Graphs the form exports itself (with fused onnxruntime ops) rather than rewriting the portable export's.
+    sources: dict[str, GraphSpec] = field(default_factory=dict)
 
 
-def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any], list[Any]]) -> list[HalfForm]:
-    """The CUDA forms, most half first: export writes the first whose answers pass the gate (export/forms.py).
-    Every node in fp16 (the decay and recurrence aside) is fastest; fp16 matrix products on an fp32 residual
-    stream, norms and softmax, as torch's autocast runs, round less."""
-    return [HalfForm("cuda-fp16", ("cuda",), graphs, answer_pairs, FLOAT16),
+def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any], list[Any]],
+               fused: dict[str, GraphSpec] | None = None) -> list[HalfForm]:
+    """The CUDA forms, fastest first: export writes the first whose answers pass the gate (export/forms.py).
+    With `fused` (graphs written with onnxruntime's fused contrib ops: no control flow), `cuda-fused` comes first:
+    those graphs with fp16 matrix products. Then every node in fp16 (the decay and recurrence aside); then fp16
+    matrix products on an fp32 residual stream, norms and softmax, as torch's autocast runs, which round less."""
+    ladder = [HalfForm("cuda-fused-fp16", ("cuda",), graphs, answer_pairs, FLOAT16, sources=fused),
+              HalfForm("cuda-fused", ("cuda",), graphs, answer_pairs, FLOAT16_MATMULS, sources=fused)] if fused else []
+    return [*ladder, HalfForm("cuda-fp16", ("cuda",), graphs, answer_pairs, FLOAT16),
             HalfForm("cuda-fp16-matmuls", ("cuda",), graphs, answer_pairs, FLOAT16_MATMULS)]
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from ..runtime.artifact import FormEntry, Manifest
 from .answer_gate import gate_answers
-from .config import ExportConfig, HalfForm, ParityError
+from .config import ExportConfig, GraphSpec, HalfForm, ParityError
+from .graph_export import export_graph
 from .half_precision import convert_to_half
 
 HALF_DTYPE = "float16"
@@ -31,6 +32,25 @@ def remove_form_files(root: Path, files: dict[str, str]) -> None:
             path.unlink(missing_ok=True)
 
 
+class _FormSources:
+    """The fp32 exports of the graphs forms export themselves (`HalfForm.sources`): each written once, however many
+    forms of the ladder convert it, and removed when the forms are written."""
+
+    def __init__(self, staging: Path, progress: Callable[[str], None]):
+        self.staging, self.progress = staging, progress
+        self.paths: dict[int, Path] = {}  # by the spec's identity: the forms of one ladder share their specs
+
+    def path(self, graph: str, spec: GraphSpec) -> Path:
+        if id(spec) not in self.paths:
+            self.progress(f"exporting the {graph} graph with onnxruntime's fused ops (fp32, before conversion)")
+            target = self.staging / f"{graph}.source{len(self.paths)}.float32.onnx"
+            self.paths[id(spec)] = export_graph(spec, target)
+        return self.paths[id(spec)]
+
+    def remove(self) -> None:
+        remove_form_files(self.staging, {str(key): path.name for key, path in self.paths.items()})
+
+
 def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str) -> dict[str, Any]:
     """The runtime on `form` (staged artifact, `device`) against the torch fp32 model on the form's questions."""
     from ..runtime.artifact import Artifact
@@ -43,30 +63,41 @@ def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str) 
     return {**report, "device": device, "provider": service.provider}
 
 
+def form_steps(forms: list[HalfForm]) -> int:
+    """The progress steps `write_forms` takes at most: two a form, one a graph a form exports itself."""
+    return 2 * len(forms) + len({id(spec) for form in forms for spec in form.sources.values()})
+
+
 def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, manifest: Manifest, device: str,
                 progress: Callable[[str], None]) -> Manifest:
     """Each of `forms` (the config's) written and gated in `staging`, but none after a written one for the same
     providers; the manifest that records them (written)."""
     written: set[tuple[str, ...]] = set()
-    for form in forms:
-        if form.providers in written:
-            progress(f"the {form.name} form is not needed: a form for {', '.join(form.providers)} is written")
-            continue
-        files = form_files(form)
-        progress(f"writing the {form.name} form: {', '.join(form.graphs)} at {form.precision.name}, readout in "
-                 "float32")
-        for graph, outputs in form.graphs.items():
-            convert_to_half(staging / manifest.graphs[graph].file, staging / files[graph], outputs, form.precision)
-        entry = FormEntry(HALF_DTYPE, list(form.providers), files)
-        replace(manifest, forms={**manifest.forms, form.name: entry}).write(staging)
-        progress(f"checking the {form.name} form's answers against the torch fp32 model on {device}")
-        try:
-            entry = replace(entry, gate=gate_form(config, staging, form, device))
-            written.add(form.providers)
-        except ParityError as exc:
-            print(f"the {form.name} form is not written: {exc}", file=sys.stderr)
-            remove_form_files(staging, files)
-            entry = FormEntry(HALF_DTYPE, list(form.providers), refused=str(exc))
-        manifest = replace(manifest, forms={**manifest.forms, form.name: entry})
+    sources = _FormSources(staging, progress)
+    try:
+        for form in forms:
+            if form.providers in written:
+                progress(f"the {form.name} form is not needed: a form for {', '.join(form.providers)} is written")
+                continue
+            files = form_files(form)
+            progress(f"writing the {form.name} form: {', '.join(form.graphs)} at {form.precision.name}, readout in "
+                     "float32")
+            for graph, outputs in form.graphs.items():
+                spec = form.sources.get(graph)
+                source = staging / manifest.graphs[graph].file if spec is None else sources.path(graph, spec)
+                convert_to_half(source, staging / files[graph], outputs, form.precision)
+            entry = FormEntry(HALF_DTYPE, list(form.providers), files)
+            replace(manifest, forms={**manifest.forms, form.name: entry}).write(staging)
+            progress(f"checking the {form.name} form's answers against the torch fp32 model on {device}")
+            try:
+                entry = replace(entry, gate=gate_form(config, staging, form, device))
+                written.add(form.providers)
+            except ParityError as exc:
+                print(f"the {form.name} form is not written: {exc}", file=sys.stderr)
+                remove_form_files(staging, files)
+                entry = FormEntry(HALF_DTYPE, list(form.providers), refused=str(exc))
+            manifest = replace(manifest, forms={**manifest.forms, form.name: entry})
+    finally:
+        sources.remove()
     manifest.write(staging)
     return manifest

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Kept fp32 wherever they appear: the decay's and the recurrence's ops, and what the converter itself keeps.
-FP32_OPS = ("Scan", "Loop", "If", "Softplus", "Exp", "CumSum", "Range", "Trilu")
+# GatedDeltaNet (the fused form's delta rule) is written with its own casts: fp16 query/key/value, fp32 decay, beta
+# and state.
+FP32_OPS = ("Scan", "Loop", "If", "Softplus", "Exp", "CumSum", "Range", "Trilu", "GatedDeltaNet")
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,10 @@ from ..models.registry import FAMILIES, FamilyRegistry
 from ..runtime.artifact import GraphEntry, Manifest
 from ..runtime.session import resolve_device
 from .config import ExportConfig, GraphSpec, HalfForm, ParityError
-from .forms import remove_form_files, write_forms
+from .forms import form_steps, remove_form_files, write_forms
+from .graph_export import OPSET, export_graph
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
 from .source import checkpoint_name, file_hashes, resolve_checkpoint
-
-OPSET = 18
-
 
 def _versions() -> dict[str, str]:
     names = ["systemone-onnx", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "tokenizers"]
@@ -70,19 +68,6 @@ def symbolic_axes(model_path: Path, axes: dict[str, dict[int, str]]) -> dict[str
     return shapes
 
 
-def _export_graph(spec: GraphSpec, staging: Path) -> Path:
-    import onnx
-    import torch
-
-    path = staging / spec.file
-    with torch.no_grad():
-        torch.onnx.export(spec.module(), spec.example_inputs(), str(path), dynamo=True, opset_version=OPSET,
-                          external_data=True, input_names=spec.inputs, output_names=spec.outputs,
-                          dynamic_shapes=spec.dynamic_shapes, verbose=False)
-    onnx.checker.check_model(str(path))
-    return path
-
-
 def export_checkpoint(source: str, out: str | Path, *, revision: str | None = None, atol: float = DEFAULT_ATOL,
                       prob_atol: float = DEFAULT_PROB_ATOL, lengths: Sequence[int] = PARITY_LENGTHS,
                       overwrite: bool = False, seed: int = 0, families: FamilyRegistry = FAMILIES,
@@ -104,7 +89,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
     graphs = config.graphs()
     gates = config.gates(atol, prob_atol, tuple(lengths), seed)
     half_forms = _chosen_forms(config, forms)
-    progress.total += len(graphs) + 1 + len(gates) + 2 * len(half_forms)
+    progress.total += len(graphs) + 1 + len(gates) + form_steps(half_forms)
     torch.manual_seed(seed)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +98,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
         files = config.write_runtime_files(staging)
         for spec in graphs:
             progress(f"exporting the {spec.name} graph with torch.onnx (dynamo, opset {OPSET})")
-            _export_graph(spec, staging)
+            export_graph(spec, staging / spec.file)
         roles = sorted({role for g in graphs for axes in g.axes.values() for role in axes.values()})
         progress(f"checking that the {', '.join(roles)} axes are symbolic")
         shapes = {spec.name: symbolic_axes(staging / spec.file, spec.axes) for spec in graphs}
@@ -160,7 +145,7 @@ def add_forms(source: str, artifact: str | Path, *, revision: str | None = None,
     progress(f"loading the torch reference model of family {entry.name} (fp32)")
     config: ExportConfig = entry.load_export_config()(checkpoint)
     half_forms = _chosen_forms(config, forms)
-    progress.total += 2 * len(half_forms)
+    progress.total += form_steps(half_forms)
     for form in manifest.forms.values():
         remove_form_files(artifact, form.graphs)
     manifest = write_forms(config, half_forms, artifact, replace(manifest, forms={}), resolve_device(gate_device),

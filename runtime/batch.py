@@ -59,9 +59,10 @@ class BatchBudget:
         return batches
 
 
-def pad_right(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Rows right-padded to one [B, L] int64 batch, and its attention mask."""
-    width = max(len(r) for r in rows)
+def pad_right(rows: Sequence[Sequence[int]], pad_id: int = 0, width: int | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Rows right-padded to one [B, L] int64 batch (L: the longest row, or `width`), and its attention mask."""
+    width = max(len(r) for r in rows) if width is None else width
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(rows), width), dtype=np.int64)
     for i, row in enumerate(rows):

@@ -37,6 +37,7 @@ class EngineOptions:
     fetch_policy: FetchPolicy = field(default_factory=FetchPolicy)
     form: str = "auto"  # which of the artifact's forms to run (auto: the best for the device; docs/artifact.md)
     gpu_memory: int | None = None  # bytes each graph's CUDA arena may hold (--gpu-memory); None: unbounded
+    cuda_graphs: bool = True  # capture small text-graph runs as CUDA graphs where the graph allows (CUDA only)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from .cuda_graphs import CaptureBuckets, CapturedRuns, uncaptured
 from .devices import CPU, DEVICES, ProviderUnavailable, device_of, pick_providers
 
 __all__ = ["DEVICES", "GraphSession", "ProviderUnavailable", "resolve_device", "resolve_providers"]
@@ -23,7 +24,7 @@ def resolve_device(device: str) -> str:
     return device_of(resolve_providers(device)[0])
 
 
-def provider_options(provider: str, gpu_memory: int | None) -> dict[str, str]:
+def provider_options(provider: str, gpu_memory: int | None, capture: bool = False) -> dict[str, str]:
     if provider != CUDA:
         return {}
     # fp32 graphs stay fp32 on NVIDIA GPUs: no TF32 matmuls, whose 10-bit mantissa would move probabilities.
@@ -32,27 +33,31 @@ def provider_options(provider: str, gpu_memory: int | None) -> dict[str, str]:
     options = {"use_tf32": "0", "arena_extend_strategy": "kSameAsRequested"}
     if gpu_memory:
         options["gpu_mem_limit"] = str(gpu_memory)
+    if capture:
+        options["enable_cuda_graph"] = "1"
     return options
 
 
 class GraphSession:
-    """One ONNX graph on one device."""
+    """One ONNX graph on one device; with `capture` on the CUDA provider, its small runs as CUDA graphs
+    (runtime/cuda_graphs.py) where onnxruntime can capture the graph (`capture_refused` says why not)."""
 
     def __init__(self, path: str | Path, device: str = "auto", threads: int | None = None,
-                 gpu_memory: int | None = None):
+                 gpu_memory: int | None = None, capture: CaptureBuckets | None = None):
         providers = resolve_providers(device)
         if providers[0] != CPU and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            options.intra_op_num_threads = threads
-        # Without the CPU arena a run's memory goes back when it ends: with it, each new prompt length grew the
-        # arena, and two long d3 prompts held twice the attention budget.
-        options.enable_cpu_mem_arena = False
-        self.session = ort.InferenceSession(
-            str(path), sess_options=options,
-            providers=[(name, provider_options(name, gpu_memory)) for name in providers])
+        self.buckets: CaptureBuckets | None = None
+        self.capture_refused: str | None = None
+        self.captured: CapturedRuns | None = None
+        if capture is not None and providers[0] == CUDA:
+            try:
+                self.session = self._open(path, providers, threads, gpu_memory, capture=True)
+                self.buckets, self.captured = capture, CapturedRuns(self.session)
+            except Exception as exc:  # onnxruntime refuses capture at load: control flow, nodes off CUDA
+                self.capture_refused = str(exc).splitlines()[0][:300]
+        if self.captured is None:
+            self.session = self._open(path, providers, threads, gpu_memory, capture=False)
         self.provider = self.session.get_providers()[0]
         if self.provider != providers[0]:
             raise ProviderUnavailable(f"onnxruntime could not start {providers[0]} for {Path(path).name} "
@@ -60,7 +65,46 @@ class GraphSession:
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.runs = 0
 
+    @staticmethod
+    def _open(path: str | Path, providers: list[str], threads: int | None, gpu_memory: int | None,
+              capture: bool) -> ort.InferenceSession:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            options.intra_op_num_threads = threads
+        # Without the CPU arena a run's memory goes back when it ends: with it, each new prompt length grew the
+        # arena, and two long d3 prompts held twice the attention budget.
+        options.enable_cpu_mem_arena = False
+        return ort.InferenceSession(
+            str(path), sess_options=options,
+            providers=[(name, provider_options(name, gpu_memory, capture)) for name in providers])
+
+    def stop_capturing(self, reason: str) -> None:
+        """Run everything uncaptured from now on (a capture that failed at start-up says why)."""
+        self.buckets, self.captured, self.capture_refused = None, None, reason
+
+    def describe_capture(self) -> str:
+        if self.captured is not None:
+            buckets = self.buckets
+            return (f"on: {len(self.captured.bindings)} (batch, length) buckets captured, up to batch "
+                    f"{max(buckets.batches)} and {max(buckets.lengths)} tokens ({buckets.max_tokens} in all)")
+        return f"off: capture refused ({self.capture_refused})" if self.capture_refused else "off"
+
+    def capture_shape(self, batch: int, length: int) -> tuple[int, int] | None:
+        """The captured (batch, length) bucket a run of `batch` rows of up to `length` tokens pads to, if any."""
+        return self.buckets.bucket(batch, length) if self.buckets is not None else None
+
     def run(self, feeds: dict[str, np.ndarray], run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
         """Run the graph; `run_options.terminate = True` from another thread stops a run in flight."""
         self.runs += 1
+        if self.captured is not None:
+            run_options = uncaptured(run_options)
         return self.session.run(None, feeds, run_options)
+
+    def run_captured(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run feeds padded to a `capture_shape` bucket as that bucket's CUDA graph (a replay is too short to need
+        stopping); the plain run where the session does not capture."""
+        if self.captured is None:
+            return self.run(feeds)
+        self.runs += 1
+        return self.captured.run(feeds)

@@ -70,7 +70,7 @@ def directory_bytes(root: Path) -> int:
 class Workload(ABC):
     """A family's batches and requests: how to run a token batch through the runtime and through torch."""
 
-    service: DecisionService
+    service: DecisionService | None  # None once its form is measured
     reference: Any  # the family's ExportConfig (torch model on the reference device)
     vocab: int
 
@@ -177,6 +177,7 @@ def bench_form(work: Workload, token_batches: dict[tuple[int, int], np.ndarray],
                request_repeats: int, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[tuple[int, int], Any]]:
     """One form's token batches and whole requests; its report and its outputs per batch."""
     service = work.service
+    label = service.form if service.engine.session.captured is None else f"{service.form} (cuda graphs)"
     report: dict[str, Any] = {"provider": service.provider, "graph_bytes": form_bytes(service.artifact),
                               "batches": [], "requests": {}}
     outputs: dict[tuple[int, int], np.ndarray] = {}
@@ -188,13 +189,13 @@ def bench_form(work: Workload, token_batches: dict[tuple[int, int], np.ndarray],
         row = {"batch": b, "length": n, "runtime_ms": percentile_ms(times, 50),
                "runtime_questions_per_s": b / float(np.median(times))}
         report["batches"].append(row)
-        log(f"{service.form:>10s} batch {b:3d} x {n:5d}: {row['runtime_ms']:9.2f} ms  "
+        log(f"{label:>10s} batch {b:3d} x {n:5d}: {row['runtime_ms']:9.2f} ms  "
             f"{row['runtime_questions_per_s']:8.1f} q/s")
     for name, make in work.requests().items():
         times = timed(lambda i=iter(range(10**6)): service.decide(make(next(i))), request_repeats)
         report["requests"][name] = {"p50_ms": percentile_ms(times, 50), "p99_ms": percentile_ms(times, 99),
                                     "runs": len(times)}
-        log(f"{service.form:>10s} request {name}: p50 {report['requests'][name]['p50_ms']:.2f} ms, p99 "
+        log(f"{label:>10s} request {name}: p50 {report['requests'][name]['p50_ms']:.2f} ms, p99 "
             f"{report['requests'][name]['p99_ms']:.2f} ms")
     return report, outputs
 
@@ -202,10 +203,10 @@ def bench_form(work: Workload, token_batches: dict[tuple[int, int], np.ndarray],
 def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches: tuple[int, ...] = (1, 8, 32, 64),
               lengths: tuple[int, ...] = (200, 1000), repeats: int = 10, request_repeats: int = 30,
               torch_dtypes: tuple[str, ...] = ("bfloat16", "float32"), max_tokens: int = 65536,
-              forms: tuple[str, ...] | None = None, gpu_memory: int | None = None,
+              forms: tuple[str, ...] | None = None, gpu_memory: int | None = None, cuda_graphs: bool = True,
               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Each form of the artifact for `device` (default: every one it has), then transformers eager in each of
-    `torch_dtypes`, on the same token batches."""
+    """Each form of the artifact for `device` (default: every one it has; with and without CUDA graphs where it
+    captures them), then transformers eager in each of `torch_dtypes`, on the same token batches."""
     import gc
 
     import torch
@@ -228,18 +229,28 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
 
     outputs: dict[str, dict[tuple[int, int], np.ndarray]] = {}
     work: Workload | None = None
-    for form in forms or tuple(artifact.forms_for(device)):
+    # Each form as serve runs it; a form whose small batches replay CUDA graphs also uncaptured, beside it.
+    queue = [(form, cuda_graphs) for form in forms or tuple(artifact.forms_for(device))]
+    while queue:
+        form, capture = queue.pop(0)
+        name = f"{form} uncaptured" if cuda_graphs and not capture else form
         work = None
         gc.collect()  # the last form's sessions (and their device arenas) go before this one is measured
         before = gpu_used_mib()
-        service = DecisionService(artifact, EngineOptions(device=device, form=form, gpu_memory=gpu_memory))
+        service = DecisionService(artifact, EngineOptions(device=device, form=form, gpu_memory=gpu_memory,
+                                                          cuda_graphs=capture))
         work = WORKLOADS[entry.name](service, reference, vocab)
-        form_report, outputs[form] = bench_form(work, token_batches, repeats, request_repeats, log)
+        form_report, outputs[name] = bench_form(work, token_batches, repeats, request_repeats, log)
         serving = gpu_used_mib()
         form_report["gpu_memory_serving_mib"] = None if serving is None or before is None else serving - before
-        report["forms"][form] = form_report
+        form_report["cuda_graphs"] = service.engine.session.describe_capture()
+        if service.engine.session.captured is not None:
+            queue.insert(0, (form, False))
+        report["forms"][name] = form_report
         del service
     assert work is not None, "no form to bench"
+    work.service = None  # the last form's sessions (and device arena) go before torch is measured
+    gc.collect()
 
     # float32 first: the bf16 copy is made in place, so the fp32 weights must be used before it.
     base_model = reference.model

@@ -46,7 +46,8 @@ def _service(args: argparse.Namespace):
         allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes,
         image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout)
     options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy,
-                            form=args.form, gpu_memory=_gib_bytes(args.gpu_memory))
+                            form=args.form, gpu_memory=_gib_bytes(args.gpu_memory),
+                            cuda_graphs=not args.no_cuda_graphs)
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
                            media_limits=MediaLimits(args.limit_images, args.limit_videos),
                            aliases=() if args.no_jev_latest_alias else DEFAULT_ALIASES,
@@ -139,6 +140,7 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
     for key, value in (("model", ", ".join(service.served_model_names) + aliases),
                        ("artifact", f"{args.artifact} (family {manifest.family}, source {manifest.source})"),
                        ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),
+                       ("cuda graphs", service.engine.session.describe_capture()),
                        ("max model len", str(service.max_model_len)),
                        ("address", f"http://{args.host}:{args.port}/v1/systemone")):
         print(f"systemone serve: {key:<13} {value}", flush=True)
@@ -206,7 +208,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     report = run_bench(Path(args.checkpoint), Path(args.artifact), args.device, tuple(args.batches),
                        tuple(args.lengths), args.repeats, args.request_repeats, tuple(args.torch_dtypes),
-                       forms=tuple(args.forms) if args.forms else None, gpu_memory=_gib_bytes(args.gpu_memory))
+                       forms=tuple(args.forms) if args.forms else None, gpu_memory=_gib_bytes(args.gpu_memory),
+                       cuda_graphs=not args.no_cuda_graphs)
     if args.out:
         write_report(report, Path(args.out))
     print(json.dumps(report, indent=2))
@@ -222,6 +225,9 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
                              "export wrote one, else the portable fp32 graphs), portable, or a form's name")
     parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                         help="most GiB each graph's CUDA memory arena may hold (default: unbounded)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run every text-graph call uncaptured (by default, on CUDA, small batches replay CUDA "
+                             "graphs captured at start-up where the form allows it)")
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="name(s) the model answers to; the first is reported (default: the checkpoint's own "
                              "name from the manifest: the hub id, or the checkpoint directory's name)")
@@ -367,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the artifact's forms to run (default: every one it has for --device)")
     bench.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                        help="most GiB each graph's CUDA arena may hold, as serve's flag")
+    bench.add_argument("--no-cuda-graphs", action="store_true", help="as serve's flag")
     bench.add_argument("--out", default=None, help="also write the JSON report here (e.g. scripts/results/)")
     load = bench.add_argument_group("load run (--serve): the seeds' request mix, N clients in a closed loop")
     load.add_argument("--serve", metavar="URL", help="POST endpoint of a running server, e.g. "

@@ -19,16 +19,20 @@ from systemone.runtime.artifact import Artifact, ArtifactError
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 
-FORM = "cuda-fp16"
+# The form each family's tiny artifact gets: the first of its ladder (d3's fused graph in fp16; d1 declares no fused
+# graph, so its first is the all-fp16 rewrite of the portable graph).
+FORM = {"d3": "cuda-fused-fp16", "d1": "cuda-fp16"}
 
 
 @pytest.mark.parametrize("family", ["d3", "d1"])
 def test_export_writes_a_gated_half_precision_form(family, request):
     artifact = request.getfixturevalue(f"{family}_artifact")
     manifest = json.loads((artifact / "manifest.json").read_text())
-    form = manifest["forms"][FORM]
+    form = manifest["forms"][FORM[family]]
     assert form["dtype"] == "float16" and form["providers"] == ["cuda"] and "refused" not in form
-    assert form["graphs"] == {"text": "text.cuda-fp16.onnx"}
+    assert form["graphs"] == {"text": f"text.{FORM[family]}.onnx"}
+    # The forms after it on the ladder are not needed: one form per provider set.
+    assert [name for name in manifest["forms"] if name != FORM[family]] == []
     gate = form["gate"]
     assert gate["questions"] >= 200 and gate["max_abs_dp"] <= 0.02 and gate["median_abs_dp"] <= 0.003
     assert gate["clear_picks_differing"] == [] and gate["questions_with_clear_pick"] > 100
@@ -40,7 +44,7 @@ def test_export_writes_a_gated_half_precision_form(family, request):
 @pytest.mark.parametrize("family", ["d3", "d1"])
 def test_the_half_precision_graph_keeps_its_inputs_outputs_and_readout_in_fp32(family, request):
     artifact = request.getfixturevalue(f"{family}_artifact")
-    half = onnx.load(str(artifact / "text.cuda-fp16.onnx"))
+    half = onnx.load(str(artifact / f"text.{FORM[family]}.onnx"))
     portable = onnx.load(str(artifact / "text.onnx"), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in [*half.graph.input, *half.graph.output]}
     assert types == {v.name: v.type.tensor_type.elem_type for v in [*portable.graph.input, *portable.graph.output]}
@@ -65,51 +69,92 @@ def test_the_half_precision_graph_keeps_its_inputs_outputs_and_readout_in_fp32(f
 
 def test_the_runtime_picks_the_form_for_its_device(d3_artifact):
     artifact = Artifact.load(d3_artifact)
-    assert artifact.forms_for("cuda") == [FORM, "portable"]
+    assert artifact.forms_for("cuda") == [FORM["d3"], "portable"]
     assert artifact.forms_for("cpu") == ["portable"] and artifact.forms_for("rocm") == ["portable"]
-    assert artifact.with_form("auto", "cuda").graph_path("text").name == "text.cuda-fp16.onnx"
+    assert artifact.with_form("auto", "cuda").graph_path("text").name == "text.cuda-fused-fp16.onnx"
     assert artifact.with_form("auto", "cuda").graph_path("vision").name == "vision.onnx"  # not rewritten
     assert artifact.with_form("auto", "cpu").graph_path("text").name == "text.onnx"
     assert DecisionService(artifact, EngineOptions(device="cpu")).form == "portable"
-    with pytest.raises(ArtifactError, match="has no form 'bf16'.*portable, cuda-fp16"):
+    with pytest.raises(ArtifactError, match="has no form 'bf16'.*portable, cuda-fused-fp16"):
         artifact.with_form("bf16", "cuda")
 
 
-def test_a_form_named_outright_runs_anywhere_and_answers_like_the_portable_one(d3_artifact):
-    """The half-precision form on the CPU (onnxruntime casts around what has no fp16 kernel there)."""
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_a_form_named_outright_runs_anywhere_and_answers_like_the_portable_one(family, request):
+    """The half-precision form on the CPU (onnxruntime casts around what has no fp16 kernel there; its CPU
+    GatedDeltaNet kernel runs d3's fused rule)."""
+    artifact = request.getfixturevalue(f"{family}_artifact")
     body = {"state": {"ticket": "Refund not received", "tier": "gold"},
             "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"},
                           "team": {"type": "choice", "criteria": {"billing": None, "support": None, "sales": None}}}}
-    answers = {form: DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu", form=form))
-               .decide(body)["answers"] for form in ("portable", FORM)}
+    answers = {form: DecisionService(Artifact.load(artifact), EngineOptions(device="cpu", form=form))
+               .decide(body)["answers"] for form in ("portable", FORM[family])}
     for qid, answer in answers["portable"].items():
-        half = answers[FORM][qid]["probabilities"]
+        half = answers[FORM[family]][qid]["probabilities"]
         assert max(abs(p - half[k]) for k, p in answer["probabilities"].items()) <= 0.02
+
+
+def test_the_fused_form_runs_the_delta_rule_as_one_node_without_control_flow(d3_checkpoint, d3_artifact):
+    """No Scan (a CUDA graph can be captured); one GatedDeltaNet per Gated DeltaNet layer, reading fp16 query, key
+    and value (the CUDA kernel's chunked engine) and fp32 decay, update rate and state (the op's contract)."""
+    half = onnx.load(str(d3_artifact / "text.cuda-fused-fp16.onnx"), load_external_data=False)
+    assert not {"Scan", "Loop", "If"} & {node.op_type for node in half.graph.node}
+    layer_types = json.loads((d3_checkpoint / "config.json").read_text())["text_config"]["layer_types"]
+    rules = [node for node in half.graph.node if node.op_type == "GatedDeltaNet"]
+    assert len(rules) == layer_types.count("linear_attention") > 0
+    types = {v.name: v.type.tensor_type.elem_type for v in half.graph.value_info}
+    producer = {o: n for n in half.graph.node for o in n.output}
+
+    def dtype(value: str) -> int:
+        while value not in types and producer[value].op_type == "Identity":
+            value = producer[value].input[0]
+        return types[value]
+
+    for rule in rules:
+        assert rule.domain == "com.microsoft"
+        query, key, value, seqlens, decay, beta, state = rule.input
+        assert [dtype(v) for v in (query, key, value)] == [onnx.TensorProto.FLOAT16] * 3
+        assert [dtype(v) for v in (decay, beta, state)] == [onnx.TensorProto.FLOAT] * 3
+        assert seqlens == ""  # uniform packing: right-padded rows, each read at its own last token
 
 
 def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_checkpoint, d3_artifact, tmp_path,
                                                                               monkeypatch, capsys):
-    """`export --add-forms` on a copy of the artifact, the all-fp16 form held to an impossible bound: it is refused
-    and removed, and the matmuls-only form is written in its place."""
+    """`export --add-forms` on a copy of the artifact, every form but the last held to an impossible bound: each is
+    refused and removed in turn, and the last, the matmuls-only rewrite of the portable graph, is written."""
     from systemone.export.d3.config import D3ExportConfig
 
     real = D3ExportConfig.forms
     monkeypatch.setattr(D3ExportConfig, "forms", lambda self: [
-        replace(form, tolerance=AnswerTolerance(max_dp=1e-9)) if form.name == FORM else form for form in real(self)])
+        replace(form, tolerance=AnswerTolerance(max_dp=1e-9)) if form.name != "cuda-fp16-matmuls" else form
+        for form in real(self)])
+    import systemone.export.forms as forms_module
+
+    exports = []
+    real_export = forms_module.export_graph
+    monkeypatch.setattr(forms_module, "export_graph",
+                        lambda spec, path: exports.append(path) or real_export(spec, path))
     out = tmp_path / "art"
     shutil.copytree(d3_artifact, out)
     manifest = add_forms(str(d3_checkpoint), out)
-    assert "the cuda-fp16 form is not written: answers disagree with the torch fp32 model over 210 questions: " \
-           "max |dp|" in capsys.readouterr().err
-    refused, written = manifest.forms[FORM], manifest.forms["cuda-fp16-matmuls"]
-    assert refused.refused.startswith("answers disagree") and refused.graphs == {}
-    assert not (out / "text.cuda-fp16.onnx").exists() and not (out / "text.cuda-fp16.onnx.data").exists()
+    err = capsys.readouterr().err
+    refused_names = ["cuda-fused-fp16", "cuda-fused", "cuda-fp16"]
+    assert list(manifest.forms) == [*refused_names, "cuda-fp16-matmuls"]
+    for name in refused_names:
+        assert f"the {name} form is not written: answers disagree with the torch fp32 model over 210 questions: " \
+               "max |dp|" in err
+        refused = manifest.forms[name]
+        assert refused.refused.startswith("answers disagree") and refused.graphs == {}
+        assert not (out / f"text.{name}.onnx").exists() and not (out / f"text.{name}.onnx.data").exists()
+    assert len(exports) == 1  # the fused graph is exported once for both fused forms
+    assert sorted(path.name for path in out.glob("*.float32.onnx*")) == []  # the fused fp32 export is removed
+    written = manifest.forms["cuda-fp16-matmuls"]
     assert written.refused is None and written.gate["max_abs_dp"] <= 0.02
     assert written.graphs == {"text": "text.cuda-fp16-matmuls.onnx"}
     artifact = Artifact.load(out)
     assert artifact.forms_for("cuda") == ["cuda-fp16-matmuls", "portable"]
     with pytest.raises(ArtifactError, match="export refused it: answers disagree"):
-        artifact.with_form(FORM, "cuda")
+        artifact.with_form("cuda-fp16", "cuda")
     # Only the matrix products and the embedding lookup are fp16: norms, softmax and the residual stream stay fp32.
     half = onnx.load(str(out / "text.cuda-fp16-matmuls.onnx"), load_external_data=False)
     fp16_values = {v.name for v in half.graph.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}

@@ -7,6 +7,7 @@ readout, spec 4.13/4.14), the exportable graph, its inputs and their dynamic axe
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
 from ..parity import check_parity, sample_prompts, worst_vision_sample
+from .fused_delta_rule import TRANSLATIONS
 from .qwen3_5_text import D3TextGraph
 from .qwen3_5_vision import D3VisionGraph
 
@@ -79,8 +81,9 @@ class D3ExportConfig(ExportConfig):
     def attention_mode(self) -> str:
         return self.decision_config.attention_mode
 
-    def graph(self) -> D3TextGraph:
-        return D3TextGraph(self.model, self.readout_weight, self.readout_bias, self.attention_mode).eval()
+    def graph(self, fused_delta_rule: bool = False) -> D3TextGraph:
+        return D3TextGraph(self.model, self.readout_weight, self.readout_bias, self.attention_mode,
+                           fused_delta_rule).eval()
 
     @property
     def vision_config(self):
@@ -212,9 +215,12 @@ class D3ExportConfig(ExportConfig):
         from .answer_parity import parity_requests, question_pairs
 
         # The text graph in half precision; the vision graph stays the portable fp32 one (no answer gate covers it
-        # yet).
+        # yet). The fused text graph runs the delta rule as onnxruntime's GatedDeltaNet node.
+        text = self.graphs()[0]
+        fused = replace(text, module=lambda: self.graph(fused_delta_rule=True), translations=TRANSLATIONS)
         return cuda_forms({"text": tuple(TEXT_OUTPUTS)},
-                          lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)))
+                          lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)),
+                          fused={"text": fused})
 
     def write_runtime_files(self, staging: Path) -> RuntimeFiles:
         bits = write_runtime_files(self.checkpoint, staging)

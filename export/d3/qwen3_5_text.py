@@ -27,6 +27,7 @@ from torch import nn
 from torch._higher_order_ops.scan import scan
 
 from ..short_conv import shifted_conv
+from .fused_delta_rule import gated_delta_rule
 
 CHUNK = 64
 
@@ -69,9 +70,14 @@ def _chunk_step(state: torch.Tensor, chunk: list[torch.Tensor]):
 
 def chunk_gated_delta_rule(query, key, value, g, beta):
     """Gated delta rule over [B, L, H, D] inputs (causal, zero initial state); returns [B, L, H, Dv]."""
-    query, key, value, beta, g = (x.transpose(1, 2).float() for x in (query, key, value, beta, g))
-    query = _l2norm(query) * (query.shape[-1] ** -0.5)
-    key = _l2norm(key)
+    query, key, value, beta, g = (x.float() for x in (query, key, value, beta, g))
+    return chunked_rule(_l2norm(query), _l2norm(key), value, g, beta, query.shape[-1] ** -0.5)
+
+
+def chunked_rule(query, key, value, g, beta, scale: float):
+    """The rule on L2-normalised fp32 query and key [B, L, H, Dk], value [B, L, H, Dv], g and beta [B, L, H],
+    chunk by chunk: intra-chunk products, then a `scan` carrying the state from chunk to chunk."""
+    query, key, value, beta, g = (x.transpose(1, 2) for x in (query * scale, key, value, beta, g))
     batch, heads, length, _ = key.shape
     v_dim = value.shape[-1]
     chunks = (length + CHUNK - 1) // CHUNK
@@ -105,9 +111,12 @@ def chunk_gated_delta_rule(query, key, value, g, beta):
 
 
 class GatedDeltaNetLayer(nn.Module):
-    def __init__(self, hf: nn.Module):
+    """`fused`: the rule as onnxruntime's GatedDeltaNet node (the CUDA form) rather than the portable chunk loop."""
+
+    def __init__(self, hf: nn.Module, fused: bool = False):
         super().__init__()
         self.hf = hf
+        self.fused = fused
 
     def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
         hf = self.hf
@@ -127,7 +136,12 @@ class GatedDeltaNetLayer(nn.Module):
         if repeat > 1:
             query = query.repeat_interleave(repeat, dim=2)
             key = key.repeat_interleave(repeat, dim=2)
-        core = chunk_gated_delta_rule(query, key, value, g, beta).to(hidden.dtype)
+        if self.fused:
+            core = gated_delta_rule(_l2norm(query.float()), _l2norm(key.float()), value.float(), g, beta.float(),
+                                    hf.head_k_dim ** -0.5)
+        else:
+            core = chunk_gated_delta_rule(query, key, value, g, beta)
+        core = core.to(hidden.dtype)
         norm = hf.norm
         gated = _rms(core.float(), norm.variance_epsilon).to(hidden.dtype) * norm.weight
         gated = (gated * F.silu(z.float())).to(hidden.dtype)
@@ -173,7 +187,7 @@ class D3TextGraph(nn.Module):
     """Qwen3.5 text backbone (weights shared with a transformers `Qwen3_5Model`) + readout at the last token."""
 
     def __init__(self, hf_model: nn.Module, readout_weight: torch.Tensor, readout_bias: torch.Tensor | None,
-                 attention_mode: str):
+                 attention_mode: str, fused_delta_rule: bool = False):
         super().__init__()
         if attention_mode not in ("causal", "noncausal_full_attention"):
             raise ValueError(f"unsupported attention_mode {attention_mode!r}")
@@ -187,7 +201,7 @@ class D3TextGraph(nn.Module):
         for layer in text.layers:
             self.layers.append(layer)
             if layer.block_type == "linear_attention":
-                self.mixers.append(GatedDeltaNetLayer(layer.linear_attn))
+                self.mixers.append(GatedDeltaNetLayer(layer.linear_attn, fused_delta_rule))
             else:
                 self.mixers.append(FullAttentionLayer(layer.self_attn))
         rotary = text.rotary_emb

@@ -23,10 +23,11 @@ def code_logit_feeds(prompts: Sequence[Sequence[int]], positions: Sequence[np.nd
     return row_feeds([TextRow(p, pos, media) for p, pos in zip(prompts, positions, strict=True)], hidden)
 
 
-def row_feeds(rows: Sequence[TextRow], hidden: int) -> dict[str, np.ndarray]:
-    """One right-padded [B, L] batch with its mask, [3, B, L] positions (text positions where a row has none) and
-    each row's own media rows at that row's positions (rows of different requests carry different media)."""
-    ids, mask = pad_right([row.token_ids for row in rows])
+def row_feeds(rows: Sequence[TextRow], hidden: int, width: int | None = None) -> dict[str, np.ndarray]:
+    """One right-padded [B, L] batch (L: the longest row, or `width`) with its mask, [3, B, L] positions (text
+    positions where a row has none) and each row's own media rows at that row's positions (rows of different
+    requests carry different media)."""
+    ids, mask = pad_right([row.token_ids for row in rows], width=width)
     batch, width = ids.shape
     pos = np.zeros((3, batch, width), dtype=np.int64)
     for index, row in enumerate(rows):
@@ -43,9 +44,29 @@ class CodeLogitsRunner:
         self.hidden = hidden
 
     def run_batch(self, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
-        """One graph call: code logits [len(rows), n_codes] float32, in row order."""
-        (logits,) = self.session.run(row_feeds(rows, self.hidden), run_options)
-        return logits
+        """One graph call: code logits [len(rows), n_codes] float32, in row order. Text-only rows that fit a
+        captured bucket are padded to it and replay its CUDA graph: filler rows of one token, every row padded to
+        the bucket's length (exact: each row is read at its own last token, its padded keys masked)."""
+        text_only = all(row.media is None or not row.media.positions.size for row in rows)
+        bucket = self.session.capture_shape(len(rows), max(row.length for row in rows)) if text_only else None
+        if bucket is None:
+            (logits,) = self.session.run(row_feeds(rows, self.hidden), run_options)
+            return logits
+        batch, width = bucket
+        filler = [TextRow([0])] * (batch - len(rows))
+        (logits,) = self.session.run_captured(row_feeds([*rows, *filler], self.hidden, width))
+        return logits[:len(rows)]
+
+    def capture(self) -> None:
+        """Every bucket's CUDA graph, captured now (start-up) rather than at its first request; where a capture
+        fails, the session runs uncaptured and says why."""
+        shapes = self.session.buckets.shapes() if self.session.captured is not None else []
+        try:
+            for batch, width in shapes:
+                for _ in range(2):  # a plain run at the shapes, then the capture (onnxruntime's order)
+                    self.run_batch([TextRow([0] * width)] * batch)
+        except Exception as exc:  # onnxruntime's error, e.g. a kernel that cannot run inside a capture
+            self.session.stop_capturing(f"capturing failed: {str(exc).splitlines()[0][:300]}")
 
     def run(self, prompts: Sequence[Sequence[int]], run_options=None, positions: Sequence[np.ndarray] | None = None,
             media: MediaRows | None = None) -> np.ndarray:

@@ -17,6 +17,7 @@ from ..batch import BatchBudget, MediaRows, TextRow
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
+from ..cuda_graphs import CaptureBuckets
 from ..session import GraphSession
 from .code_logits import CodeLogitsRunner, text_positions
 from .media import D3MediaEncoder, Preprocessed
@@ -45,8 +46,9 @@ class D3Engine(Engine):
         self.max_model_len = min(options.max_model_len or artifact.max_model_len, longest)
         self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads)
         self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
-                                    options.gpu_memory)
+                                    options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
         self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]))
+        self.runner.capture()
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
                                            options.gpu_memory)
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)

@@ -1,0 +1,92 @@
+"""CUDA graphs for a text graph's small runs (docs/gpu.md, "CUDA graphs").
+
+A batch of a few short prompts is bound by launches, not arithmetic: hundreds of small kernels, each with
+onnxruntime's host-side work around it. onnxruntime's CUDA provider can capture a whole run as one CUDA graph and
+replay it with one launch, at one set of shapes and buffer addresses. So a captured session runs each (batch,
+length) bucket on its own device buffers, bound once (IO binding), under its own graph id; rows are padded up to the
+bucket, which right padding makes exact (each row is read at its own last token; padded keys are masked).
+Larger batches are bound by arithmetic and run as before, uncaptured.
+
+onnxruntime refuses to capture a graph with control flow (the portable graph's Scan) or with nodes off the CUDA
+provider; such a graph runs uncaptured, and the session says why.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+GRAPH_ID = "gpu_graph_id"
+UNCAPTURED = "-1"  # onnxruntime's graph id for a run that neither captures nor replays
+
+
+@dataclass(frozen=True)
+class CaptureBuckets:
+    """The (batch, length) shapes captured: every batch and length bucket whose tokens fit `max_tokens`."""
+
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    # Finer where prompts are short (padding a 136-token prompt to 256 would cost it 88% more work).
+    lengths: tuple[int, ...] = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+    max_tokens: int = 8192
+
+    def bucket(self, batch: int, length: int) -> tuple[int, int] | None:
+        """The smallest captured shape that holds `batch` rows of up to `length` tokens, if one does."""
+        rows = next((b for b in self.batches if b >= batch), None)
+        width = next((n for n in self.lengths if n >= length), None)
+        if rows is None or width is None or rows * width > self.max_tokens:
+            return None
+        return rows, width
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [(b, n) for b in self.batches for n in self.lengths if b * n <= self.max_tokens]
+
+
+def uncaptured(run_options: ort.RunOptions | None) -> ort.RunOptions:
+    """`run_options` (or new ones) for a run of a capturing session that must not capture or replay."""
+    run_options = run_options or ort.RunOptions()
+    run_options.add_run_config_entry(GRAPH_ID, UNCAPTURED)
+    return run_options
+
+
+class _Binding:
+    """One captured shape: device buffers for its inputs and outputs, bound once, and its graph id."""
+
+    def __init__(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], graph_id: int):
+        # The outputs' shapes come from one uncaptured run at these shapes.
+        outputs = session.run(None, feeds, uncaptured(None))
+        self.inputs = {name: ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0) for name, value in feeds.items()}
+        self.outputs = [ort.OrtValue.ortvalue_from_shape_and_type(list(out.shape), out.dtype, "cuda", 0)
+                        for out in outputs]
+        self.binding = session.io_binding()
+        for name, value in self.inputs.items():
+            self.binding.bind_ortvalue_input(name, value)
+        for meta, value in zip(session.get_outputs(), self.outputs, strict=True):
+            self.binding.bind_ortvalue_output(meta.name, value)
+        self.run_options = ort.RunOptions()
+        self.run_options.add_run_config_entry(GRAPH_ID, str(graph_id))
+
+
+class CapturedRuns:
+    """A capturing session's runs at captured shapes: the feeds copied into the shape's buffers, the graph replayed
+    (captured on its first runs), the outputs copied back. One run at a time: the buffers are shared."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session = session
+        self.bindings: dict[tuple, _Binding] = {}
+        self.lock = threading.Lock()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        key = tuple((name, value.shape, value.dtype.str) for name, value in sorted(feeds.items()))
+        with self.lock:
+            binding = self.bindings.get(key)
+            if binding is None:
+                # Graph ids from 1: an unset id means 0, and a run that sets none must not replay a bucket.
+                binding = self.bindings[key] = _Binding(self.session, feeds, len(self.bindings) + 1)
+            else:
+                for name, value in binding.inputs.items():
+                    value.update_inplace(np.ascontiguousarray(feeds[name]))
+            self.session.run_with_iobinding(binding.binding, binding.run_options)
+            return [value.numpy() for value in binding.outputs]

@@ -1,0 +1,70 @@
+"""CUDA graphs for small text-graph runs (docs/gpu.md, "CUDA graphs"): a run of a few short rows is padded up to a
+captured (batch, length) bucket, and the padding changes no row's logits. The capture itself is onnxruntime's and
+needs the CUDA provider (scripts/gpu_bench.sh checks it there); what is ours, the buckets and the padding, is
+checked here on the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from systemone.runtime.artifact import Artifact
+from systemone.runtime.batch import BatchBudget, TextRow
+from systemone.runtime.cuda_graphs import GRAPH_ID, CaptureBuckets, uncaptured
+from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
+from systemone.runtime.session import GraphSession
+
+
+def test_a_run_pads_to_the_smallest_bucket_that_holds_it():
+    buckets = CaptureBuckets(batches=(1, 2, 4, 8), lengths=(64, 128, 256), max_tokens=1024)
+    assert buckets.bucket(1, 1) == (1, 64)
+    assert buckets.bucket(3, 64) == (4, 64)
+    assert buckets.bucket(3, 65) == (4, 128)
+    assert buckets.bucket(8, 128) == (8, 128)
+    assert buckets.bucket(8, 129) is None  # 8 x 256 tokens: past the bucket budget, runs uncaptured
+    assert buckets.bucket(9, 10) is None and buckets.bucket(1, 257) is None
+    assert (8, 256) not in buckets.shapes() and (4, 256) in buckets.shapes()
+
+
+def test_the_default_buckets_are_fine_where_prompts_are_short():
+    buckets = CaptureBuckets()
+    assert buckets.bucket(1, 136) == (1, 160)  # a one-question request pads by 24 tokens, not to 256
+    assert buckets.bucket(32, 200) == (32, 224)
+    assert buckets.bucket(64, 200) is None
+
+
+class RecordingSession(GraphSession):
+    """A CPU session that pads as a capturing one does (no capture on the CPU: `run_captured` runs plainly)."""
+
+    def __init__(self, path, buckets: CaptureBuckets):
+        super().__init__(path, "cpu", capture=buckets)
+        assert self.captured is None and self.describe_capture() == "off"  # the CPU provider captures nothing
+        self.buckets = buckets
+        self.captured_shapes: list[tuple[int, ...]] = []
+
+    def run_captured(self, feeds):
+        self.captured_shapes.append(feeds["input_ids"].shape)
+        return super().run_captured(feeds)
+
+
+def test_rows_padded_to_a_bucket_get_the_logits_they_get_alone(d3_artifact):
+    artifact = Artifact.load(d3_artifact)
+    hidden = int(artifact.manifest.model["hidden_size"])
+    plain = CodeLogitsRunner(GraphSession(d3_artifact / "text.onnx", "cpu"), BatchBudget(), hidden)
+    padded_session = RecordingSession(d3_artifact / "text.onnx", CaptureBuckets(batches=(4,), lengths=(64,)))
+    padded = CodeLogitsRunner(padded_session, BatchBudget(), hidden)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 5000, n).tolist() for n in (5, 17, 40)]
+    rows = [TextRow(p, text_positions(len(p))) for p in prompts]
+    got = padded.run_batch(rows)
+    assert padded_session.captured_shapes == [(4, 64)]  # one filler row, every row padded to 64 tokens
+    for row, logits in zip(rows, got, strict=True):
+        assert np.abs(logits - plain.run_batch([row])[0]).max() <= 1e-5
+    # Past the buckets the run is the plain one.
+    long_row = TextRow(rng.integers(0, 5000, 80).tolist())
+    assert np.abs(padded.run_batch([long_row]) - plain.run_batch([long_row])).max() == 0
+    assert padded_session.captured_shapes == [(4, 64)]
+
+
+def test_a_capturing_session_runs_the_rest_uncaptured():
+    """A run outside the buckets sets onnxruntime's graph id -1: neither captured nor replaying bucket 0."""
+    assert uncaptured(None).get_run_config_entry(GRAPH_ID) == "-1"
