@@ -33,3 +33,7 @@ done
 python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone \
   --reference http://127.0.0.1:8001/v1/systemone --family d3 --clients 1 8 64 --seconds "$seconds" \
   --out "$out/serve_bench_${size}_${mode}.json"
+# Text-only one-question requests at 64 clients, our server alone.
+python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone --family d3 --kinds text1 --clients 64 \
+  --seconds "$seconds" --out "$out/serve_bench_text1_${size}_${mode}.json"
+grep "systemone serve:" "$out/serve.log" || true

@@ -199,7 +199,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.serve:
         from .loadgen import run_load
 
-        report = run_load(args.serve, args.family, tuple(args.clients), args.seconds, args.model, args.reference)
+        report = run_load(args.serve, args.family, tuple(args.clients), args.seconds, args.model, args.reference,
+                          **({"kinds": tuple(args.kinds)} if args.kinds else {}))
         if args.out:
             write_report(report, Path(args.out))
         return 0
@@ -375,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most GiB each graph's CUDA arena may hold, as serve's flag")
     bench.add_argument("--no-cuda-graphs", action="store_true", help="as serve's flag")
     bench.add_argument("--out", default=None, help="also write the JSON report here (e.g. scripts/results/)")
+    from .loadgen import ALL_KINDS, KINDS
+
     load = bench.add_argument_group("load run (--serve): the seeds' request mix, N clients in a closed loop")
     load.add_argument("--serve", metavar="URL", help="POST endpoint of a running server, e.g. "
                       "http://127.0.0.1:8000/v1/systemone")
@@ -383,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64], help="closed-loop client counts")
     load.add_argument("--seconds", type=float, default=30.0, help="seconds per client count")
     load.add_argument("--model", default=None, help="the model name to send (default: none, the served one)")
+    load.add_argument("--kinds", nargs="+", default=None, choices=ALL_KINDS,
+                      help="request kinds in rotation (default: the seeds' mix, " + " ".join(KINDS) + "; text1: a "
+                           "text state with one question)")
     bench.set_defaults(func=cmd_bench)
 
     for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),

@@ -23,7 +23,9 @@ from urllib.parse import urlsplit
 import numpy as np
 from PIL import Image
 
-KINDS = ("text", "json", "choice40", "image", "video")
+KINDS = ("text", "json", "choice40", "image", "video")  # the seeds' mix
+# Besides the mix: a text state with exactly one question (the issue's text-only throughput figure).
+ALL_KINDS = (*KINDS, "text1")
 PHOTO = (1280, 960)
 VIDEO = (1280, 720, 20)  # 20 frames at the server's 2 fps sampling: 10 s
 
@@ -68,7 +70,7 @@ class RequestMix:
         return f"request {i} ".encode() + self.rng.bytes(8)
 
     def _questions(self, i: int, kind: str) -> dict[str, Any]:
-        count = 1 + i % 4
+        count = 1 if kind == "text1" else 1 + i % 4
         questions: dict[str, Any] = {}
         for q in range(count):
             if kind == "choice40" and q == 0:

@@ -30,3 +30,13 @@ def test_media_bytes_are_new_in_every_request():
     mix = RequestMix("d3")
     images = [mix.body(i)[1]["images"][0] for i in range(3, 3 + 5 * len(mix.kinds), len(mix.kinds))]
     assert len(set(images)) == len(images)
+
+
+def test_the_text_only_kind_asks_one_question_about_a_text_state(d3_service):
+    mix = RequestMix("d3", kinds=("text1",))
+    bodies = [mix.body(i)[1] for i in range(8)]
+    assert all(len(body["questions"]) == 1 and isinstance(body["state"], str) for body in bodies)
+    assert not any("images" in body or "videos" in body for body in bodies)
+    with live_server(d3_service) as base:
+        result = asyncio.run(closed_loop(f"{base}/v1/systemone", mix, clients=2, seconds=2.0))
+    assert set(result.statuses) == {200} and result.questions == result.summary()["answered"] > 0
