@@ -18,6 +18,8 @@ import torch
 from onnxscript import FLOAT, FLOAT16
 from onnxscript import opset18 as op
 
+from .delta_rule import chunked_rule
+
 
 
 def _schema() -> onnx.defs.OpSchema:
@@ -43,8 +45,6 @@ GATED_DELTA_NET = onnxscript.values.Op(onnxscript.values.Opset("com.microsoft", 
 def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, scale: float) -> torch.Tensor:
     """query, key [B, L, H, Dk] (L2-normalised), value [B, L, H, Dv], g and beta [B, L, H], fp32 -> [B, L, H, Dv]."""
-    from .qwen3_5_text import chunked_rule
-
     return chunked_rule(query, key, value, g, beta, scale).contiguous()
 
 

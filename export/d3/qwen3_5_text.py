@@ -3,10 +3,8 @@
 It reads the weights of transformers' `Qwen3_5Model` (same modules, same names) and reproduces its forward pass
 (spec 4.13/4.14) in a form `torch.onnx.export(dynamo=True)` keeps dynamic:
 
-* the chunked gated-delta rule runs its chunk loop on torch's `scan` (lowered to ONNX `Scan`), so the number of
-  chunks follows the sequence length instead of being unrolled and pinned to the trace length;
-* the unit-lower-triangular solve of each chunk is an inverse by repeated squaring: for a strictly lower
-  triangular N of size C, (I - N)^-1 = (I + N)(I + N^2)(I + N^4)...(I + N^(C/2)), since N^C = 0;
+* the gated delta rule is the portable chunked one (`delta_rule.py`) or, in the CUDA form's graph, onnxruntime's
+  fused node (`fused_delta_rule.py`);
 * the 3-D M-RoPE positions are a graph input (computed by the runtime, spec 4.11);
 * attention masks are built in the graph from the 2-D padding mask: causal for `causal`, bidirectional over the
   whole prompt for `noncausal_full_attention` (full-attention layers only; Gated DeltaNet stays causal, spec 4.3).
@@ -19,18 +17,13 @@ Output: code_logits [B, len(codes)] float32 at each row's last real token.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._higher_order_ops.scan import scan
 
 from ..short_conv import shifted_conv
+from .delta_rule import chunk_gated_delta_rule, l2norm
 from .fused_delta_rule import gated_delta_rule
-
-CHUNK = 64
-
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     # Divided by the root rather than times its reciprocal: the pattern onnxruntime fuses into one
@@ -41,73 +34,6 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 def _norm_1p(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Qwen3.5 RMSNorm, `(1 + w)` form, computed in float32."""
     return (_rms(x.float(), norm.eps) * (1.0 + norm.weight.float())).to(x.dtype)
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
-
-
-def _unit_lower_inverse(strict_lower: torch.Tensor) -> torch.Tensor:
-    """(I + A)^-1 for a strictly lower triangular A [..., C, C], C a power of two, by repeated squaring."""
-    size = strict_lower.shape[-1]
-    eye = torch.eye(size, dtype=strict_lower.dtype, device=strict_lower.device)
-    power = -strict_lower
-    inverse = eye + power
-    for _ in range(int(math.log2(size)) - 1):
-        power = power @ power
-        inverse = inverse + inverse @ power
-    return inverse
-
-
-def _chunk_step(state: torch.Tensor, chunk: list[torch.Tensor]):
-    """One chunk of the gated delta rule: read the carried state, then update it (the scan body)."""
-    q, k, new_v, k_cumdecay, attn, chunk_decay = chunk
-    v_new = new_v - k_cumdecay @ state
-    out = q @ state + attn @ v_new
-    next_state = state * chunk_decay + k.transpose(-1, -2) @ v_new
-    return next_state, out.clone()
-
-
-def chunk_gated_delta_rule(query, key, value, g, beta):
-    """Gated delta rule over [B, L, H, D] inputs (causal, zero initial state); returns [B, L, H, Dv]."""
-    query, key, value, beta, g = (x.float() for x in (query, key, value, beta, g))
-    return chunked_rule(_l2norm(query), _l2norm(key), value, g, beta, query.shape[-1] ** -0.5)
-
-
-def chunked_rule(query, key, value, g, beta, scale: float):
-    """The rule on L2-normalised fp32 query and key [B, L, H, Dk], value [B, L, H, Dv], g and beta [B, L, H],
-    chunk by chunk: intra-chunk products, then a `scan` carrying the state from chunk to chunk."""
-    query, key, value, beta, g = (x.transpose(1, 2) for x in (query * scale, key, value, beta, g))
-    batch, heads, length, _ = key.shape
-    v_dim = value.shape[-1]
-    chunks = (length + CHUNK - 1) // CHUNK
-    pad = chunks * CHUNK - length
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
-    v_beta = value * beta.unsqueeze(-1)
-    k_beta = key * beta.unsqueeze(-1)
-    query, key, k_beta, v_beta = (x.reshape(batch, heads, chunks, CHUNK, x.shape[-1])
-                                  for x in (query, key, k_beta, v_beta))
-    g = g.reshape(batch, heads, chunks, CHUNK)
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=query.device).triu(1)
-    cum = g.cumsum(dim=-1)
-    pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    ut_system = ((k_beta @ key.transpose(-1, -2)) * pairwise).tril(-1)
-    intra = (query @ key.transpose(-1, -2)) * pairwise
-    inverse = _unit_lower_inverse(ut_system)
-    new_values = inverse @ v_beta
-    k_cumdecay = inverse @ (k_beta * cum.exp().unsqueeze(-1))
-    query = query * cum.exp().unsqueeze(-1)
-    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-    # Chunks first and (batch, heads) flattened: the scan body is plain 3-D bmm, which the ONNX decomposition
-    # keeps free of symbolic reshapes.
-    xs = [x.movedim(2, 0).flatten(1, 2) for x in (query, key, new_values, k_cumdecay, intra, chunk_decay)]
-    # The zero state is derived from the data so that its batch dimension stays symbolic in the export.
-    state = torch.zeros_like(xs[1][0].transpose(-1, -2) @ xs[2][0])
-    _, out = scan(_chunk_step, state, xs)
-    out = out.unflatten(1, (batch, heads)).movedim(0, 2).reshape(batch, heads, chunks * CHUNK, v_dim)[:, :, :length]
-    return out.transpose(1, 2)
 
 
 class GatedDeltaNetLayer(nn.Module):
@@ -137,7 +63,7 @@ class GatedDeltaNetLayer(nn.Module):
             query = query.repeat_interleave(repeat, dim=2)
             key = key.repeat_interleave(repeat, dim=2)
         if self.fused:
-            core = gated_delta_rule(_l2norm(query.float()), _l2norm(key.float()), value.float(), g, beta.float(),
+            core = gated_delta_rule(l2norm(query.float()), l2norm(key.float()), value.float(), g, beta.float(),
                                     hf.head_k_dim ** -0.5)
         else:
             core = chunk_gated_delta_rule(query, key, value, g, beta)
