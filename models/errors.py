@@ -46,6 +46,10 @@ class Unavailable(DecisionError):
         self.retry_after_s = retry_after_s
 
 
+class DeviceMemoryExhausted(Unavailable):
+    """A graph run needed more device memory than the graph's arena may hold (--gpu-memory) at that moment."""
+
+
 class TimedOut(Unavailable):
     """The request ran past its deadline (--request-timeout) and its work was stopped."""
 

@@ -76,15 +76,30 @@ class CapturedRuns:
     def __init__(self, session: ort.InferenceSession):
         self.session = session
         self.bindings: dict[tuple, _Binding] = {}
+        self.too_large: set[tuple] = set()  # shapes whose plain run did not fit the arena: never captured
         self.lock = threading.Lock()
 
+    @staticmethod
+    def _key(feeds: dict[str, np.ndarray]) -> tuple:
+        return tuple((name, value.shape, value.dtype.str) for name, value in sorted(feeds.items()))
+
+    def refused(self, feeds: dict[str, np.ndarray]) -> bool:
+        return self._key(feeds) in self.too_large
+
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        key = tuple((name, value.shape, value.dtype.str) for name, value in sorted(feeds.items()))
+        key = self._key(feeds)
         with self.lock:
             binding = self.bindings.get(key)
             if binding is None:
-                # Graph ids from 1: an unset id means 0, and a run that sets none must not replay a bucket.
-                binding = self.bindings[key] = _Binding(self.session, feeds, len(self.bindings) + 1)
+                # Graph ids from 1: an unset id means 0, and a run that sets none must not replay a bucket. The
+                # binding's plain run comes before any capture: a shape too large for the arena fails there, and
+                # is not captured (a capture cut short would leave the stream capturing).
+                try:
+                    binding = _Binding(self.session, feeds, len(self.bindings) + 1)
+                except Exception:
+                    self.too_large.add(key)
+                    raise
+                self.bindings[key] = binding
             else:
                 for name, value in binding.inputs.items():
                     value.update_inplace(np.ascontiguousarray(feeds[name]))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from ..models.errors import DeviceMemoryExhausted
 from .cuda_graphs import CaptureBuckets, CapturedRuns, uncaptured
 from .devices import CPU, DEVICES, ProviderUnavailable, device_of, pick_providers
 
@@ -36,6 +39,23 @@ def provider_options(provider: str, gpu_memory: int | None, capture: bool = Fals
     if capture:
         options["enable_cuda_graph"] = "1"
     return options
+
+
+# How onnxruntime words an arena that cannot grow (the BFC arena at --gpu-memory, or the device itself).
+_MEMORY_ERRORS = ("Available memory of", "Failed to allocate memory", "out of memory")
+
+
+@contextmanager
+def memory_errors() -> Iterator[None]:
+    """onnxruntime's allocation failures as `DeviceMemoryExhausted` (the caller may split the batch, or the client
+    retry); every other error as it is."""
+    try:
+        yield
+    except Exception as exc:
+        if not any(marker in str(exc) for marker in _MEMORY_ERRORS):
+            raise
+        raise DeviceMemoryExhausted("the device memory the graph may use (--gpu-memory) cannot hold this run now; "
+                                    "retry later") from exc
 
 
 class GraphSession:
@@ -86,8 +106,10 @@ class GraphSession:
     def describe_capture(self) -> str:
         if self.captured is not None:
             buckets = self.buckets
+            left = (f"; {len(self.captured.too_large)} left uncaptured, too large for --gpu-memory"
+                    if self.captured.too_large else "")
             return (f"on: {len(self.captured.bindings)} (batch, length) buckets captured, up to batch "
-                    f"{max(buckets.batches)} and {max(buckets.lengths)} tokens ({buckets.max_tokens} in all)")
+                    f"{max(buckets.batches)} and {max(buckets.lengths)} tokens ({buckets.max_tokens} in all){left}")
         return f"off: capture refused ({self.capture_refused})" if self.capture_refused else "off"
 
     def capture_shape(self, batch: int, length: int) -> tuple[int, int] | None:
@@ -95,16 +117,19 @@ class GraphSession:
         return self.buckets.bucket(batch, length) if self.buckets is not None else None
 
     def run(self, feeds: dict[str, np.ndarray], run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
-        """Run the graph; `run_options.terminate = True` from another thread stops a run in flight."""
+        """Run the graph; `run_options.terminate = True` from another thread stops a run in flight. A run its
+        arena cannot hold (--gpu-memory) raises `DeviceMemoryExhausted`."""
         self.runs += 1
         if self.captured is not None:
             run_options = uncaptured(run_options)
-        return self.session.run(None, feeds, run_options)
+        with memory_errors():
+            return self.session.run(None, feeds, run_options)
 
     def run_captured(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Run feeds padded to a `capture_shape` bucket as that bucket's CUDA graph (a replay is too short to need
-        stopping); the plain run where the session does not capture."""
-        if self.captured is None:
+        stopping); the plain run where the session does not capture, or the bucket did not fit the arena."""
+        if self.captured is None or self.captured.refused(feeds):
             return self.run(feeds)
         self.runs += 1
-        return self.captured.run(feeds)
+        with memory_errors():
+            return self.captured.run(feeds)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ...models.errors import DeviceMemoryExhausted
 from ..batch import BatchBudget, MediaRows, TextRow, pad_right
 from ..session import GraphSession
 
@@ -59,14 +60,18 @@ class CodeLogitsRunner:
 
     def capture(self) -> None:
         """Every bucket's CUDA graph, captured now (start-up) rather than at its first request; where a capture
-        fails, the session runs uncaptured and says why."""
+        fails, the session runs uncaptured and says why; a bucket the arena (--gpu-memory) cannot hold is left
+        uncaptured."""
         shapes = self.session.buckets.shapes() if self.session.captured is not None else []
-        try:
-            for batch, width in shapes:
+        for batch, width in shapes:
+            try:
                 for _ in range(2):  # a plain run at the shapes, then the capture (onnxruntime's order)
                     self.run_batch([TextRow([0] * width)] * batch)
-        except Exception as exc:  # onnxruntime's error, e.g. a kernel that cannot run inside a capture
-            self.session.stop_capturing(f"capturing failed: {str(exc).splitlines()[0][:300]}")
+            except DeviceMemoryExhausted:
+                continue
+            except Exception as exc:  # onnxruntime's error, e.g. a kernel that cannot run inside a capture
+                self.session.stop_capturing(f"capturing failed: {str(exc).splitlines()[0][:300]}")
+                return
 
     def run(self, prompts: Sequence[Sequence[int]], run_options=None, positions: Sequence[np.ndarray] | None = None,
             media: MediaRows | None = None) -> np.ndarray:
@@ -80,8 +85,17 @@ class CodeLogitsRunner:
     def run_rows(self, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
         """Code logits [len(rows), n_codes] float32, in row order, in padded sub-batches within the budget."""
         out: list[np.ndarray | None] = [None] * len(rows)
-        for group in self.budget.plan([row.length for row in rows]):
-            logits = self.run_batch([rows[i] for i in group], run_options)
+        groups = self.budget.plan([row.length for row in rows])
+        while groups:
+            group = groups.pop(0)
+            try:
+                logits = self.run_batch([rows[i] for i in group], run_options)
+            except DeviceMemoryExhausted:
+                if len(group) == 1:
+                    raise
+                # The arena (--gpu-memory) cannot hold this call now: the same rows in two calls.
+                groups[:0] = [group[:len(group) // 2], group[len(group) // 2:]]
+                continue
             for position, index in enumerate(group):
                 out[index] = logits[position]
         return np.stack(out)
