@@ -5,7 +5,8 @@ reads, and the parity gates an exported artifact must pass before it is written.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,11 +125,16 @@ class ExportConfig(ABC):
         """The half-precision forms to write beside the portable graphs (none unless the family declares them)."""
         return []
 
-    def reference_on(self, device: str) -> None:
-        """Move the torch reference to `device` (cpu, cuda), in fp32 without TF32 (its 10-bit mantissa is not a
-        reference)."""
+    @contextmanager
+    def reference_on(self, device: str) -> Iterator[None]:
+        """The torch reference on `device` (cpu, cuda), in fp32 without TF32 (its 10-bit mantissa is not a
+        reference) while the block runs; torch's TF32 settings are restored after it."""
         import torch
 
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        self.model.to("cuda" if device == "cuda" else "cpu")
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            self.model.to("cuda" if device == "cuda" else "cpu")
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -57,9 +57,9 @@ def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str) 
     from ..runtime.engine import EngineOptions
     from ..runtime.service import DecisionService
 
-    config.reference_on(device)
     service = DecisionService(Artifact.load(staging), EngineOptions(device=device, form=form.name))
-    report = gate_answers(form.answer_pairs(service), form.tolerance)
+    with config.reference_on(device):
+        report = gate_answers(form.answer_pairs(service), form.tolerance)
     return {**report, "device": device, "provider": service.provider}
 
 

@@ -21,11 +21,12 @@ from typing import Any
 from ..models.registry import FAMILIES, FamilyRegistry
 from ..runtime.artifact import GraphEntry, Manifest
 from ..runtime.session import resolve_device
-from .config import ExportConfig, GraphSpec, HalfForm, ParityError
+from .config import ExportConfig, HalfForm, ParityError
 from .forms import form_steps, remove_form_files, write_forms
 from .graph_export import OPSET, export_graph
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
 from .source import checkpoint_name, file_hashes, resolve_checkpoint
+
 
 def _versions() -> dict[str, str]:
     names = ["systemone-onnx", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "tokenizers"]

@@ -22,14 +22,7 @@ from pathlib import Path
 
 def main() -> None:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
-    import torch
-
-    from systemone.export.answer_gate import QuestionPair, answer_figures
-    from systemone.export.d3.answer_parity import parity_requests, torch_probabilities
-    from systemone.export.d3.config import GATE_REQUESTS, D3ExportConfig
-    from systemone.runtime.artifact import Artifact
-    from systemone.runtime.engine import EngineOptions
-    from systemone.runtime.service import DecisionService
+    from systemone.export.d3.config import D3ExportConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
@@ -39,7 +32,23 @@ def main() -> None:
     args = parser.parse_args()
 
     config = D3ExportConfig(Path(args.checkpoint))
-    config.reference_on(args.device)
+    with config.reference_on(args.device):
+        report = measure(config, args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+def measure(config, args: argparse.Namespace) -> dict:
+    """Each of torch's half precisions against torch fp32 (the reference, on its device), by the gate's rule."""
+    import torch
+
+    from systemone.export.answer_gate import QuestionPair, answer_figures
+    from systemone.export.d3.answer_parity import parity_requests, torch_probabilities
+    from systemone.export.d3.config import GATE_REQUESTS
+    from systemone.runtime.artifact import Artifact
+    from systemone.runtime.engine import EngineOptions
+    from systemone.runtime.service import DecisionService
+
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device="cpu", form="portable"))
     requests = parity_requests(GATE_REQUESTS)
 
@@ -74,8 +83,7 @@ def main() -> None:
         print(f"{name}: max |dp| {figures['max_abs_dp']:.4f}, median |dp| {figures['median_abs_dp']:.4f}, "
               f"{len(figures['clear_picks_differing'])} of {figures['questions_with_clear_pick']} clear picks differ",
               flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":

@@ -80,6 +80,11 @@ def _print_error(exc: Exception) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .export.pipeline import add_forms, export_checkpoint
 
+    if args.portable_only and (args.forms or args.add_forms):
+        other = "--forms" if args.forms else "--add-forms"
+        print(f"systemone export: --portable-only writes no half-precision form; it cannot go with {other}",
+              file=sys.stderr)
+        return 2
     forms = [] if args.portable_only else args.forms.split(",") if args.forms else None
     if args.add_forms:
         add_forms(args.source, args.out, revision=args.revision, forms=forms, gate_device=args.gate_device)

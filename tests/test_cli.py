@@ -78,6 +78,13 @@ def test_an_offline_hub_id_is_one_line(capsys, tmp_path, monkeypatch):
     assert_one_line_error(code, err, "could not fetch checkpoint 'nobody/no-model'")
 
 
+@pytest.mark.parametrize("flag", [["--forms", "cuda-fused"], ["--add-forms"]])
+def test_portable_only_refuses_a_flag_that_asks_for_forms(capsys, tmp_path, flag):
+    """Neither silently ignored nor, with --add-forms, a removal of the artifact's forms."""
+    code, _, err = run(capsys, "export", "nobody/no-model", "--out", str(tmp_path / "out"), "--portable-only", *flag)
+    assert_one_line_error(code, err, f"--portable-only writes no half-precision form; it cannot go with {flag[0]}")
+
+
 def test_debug_shows_the_traceback(tmp_path):
     with pytest.raises(Exception, match="is not an exported artifact"):
         cli.main(["serve", str(tmp_path), "--debug"])
