@@ -92,10 +92,12 @@ def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, mani
             try:
                 entry = replace(entry, gate=gate_form(config, staging, form, device))
                 written.add(form.providers)
-            except ParityError as exc:
-                print(f"the {form.name} form is not written: {exc}", file=sys.stderr)
+            except Exception as exc:  # noqa: BLE001 - a form this onnxruntime cannot run is refused like one that fails
+                reason = str(exc) if isinstance(exc, ParityError) else \
+                    f"onnxruntime could not run it on {device}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                print(f"the {form.name} form is not written: {reason}", file=sys.stderr)
                 remove_form_files(staging, files)
-                entry = FormEntry(HALF_DTYPE, list(form.providers), refused=str(exc))
+                entry = FormEntry(HALF_DTYPE, list(form.providers), refused=reason)
             manifest = replace(manifest, forms={**manifest.forms, form.name: entry})
     finally:
         sources.remove()

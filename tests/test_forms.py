@@ -94,15 +94,22 @@ def test_a_form_named_outright_runs_anywhere_and_answers_like_the_portable_one(f
         assert max(abs(p - half[k]) for k, p in answer["probabilities"].items()) <= 0.02
 
 
-def test_the_fused_form_runs_the_delta_rule_as_one_node_without_control_flow(d3_checkpoint, d3_artifact):
-    """No Scan (a CUDA graph can be captured); one GatedDeltaNet per Gated DeltaNet layer, reading fp16 query, key
-    and value (the CUDA kernel's chunked engine) and fp32 decay, update rate and state (the op's contract)."""
+def test_the_fused_form_runs_each_gated_deltanet_layer_as_three_nodes_without_control_flow(d3_checkpoint,
+                                                                                           d3_artifact):
+    """No Scan (a CUDA graph can be captured); per Gated DeltaNet layer one CausalConvWithState (the short
+    convolution and its SiLU), one GatedDeltaNet reading fp16 query, key and value (the CUDA kernel's chunked
+    engine) and fp32 decay, update rate, state and gate parameters (the op's contract), and one GatedRMSNorm."""
     half = onnx.load(str(d3_artifact / "text.cuda-fused-fp16.onnx"), load_external_data=False)
-    assert not {"Scan", "Loop", "If"} & {node.op_type for node in half.graph.node}
+    op_types = [node.op_type for node in half.graph.node]
+    assert not {"Scan", "Loop", "If"} & set(op_types)
     layer_types = json.loads((d3_checkpoint / "config.json").read_text())["text_config"]["layer_types"]
+    layers = layer_types.count("linear_attention")
+    assert layers > 0
+    assert op_types.count("CausalConvWithState") == op_types.count("GatedRMSNorm") == layers
     rules = [node for node in half.graph.node if node.op_type == "GatedDeltaNet"]
-    assert len(rules) == layer_types.count("linear_attention") > 0
+    assert len(rules) == layers
     types = {v.name: v.type.tensor_type.elem_type for v in half.graph.value_info}
+    types.update({t.name: t.data_type for t in half.graph.initializer})
     producer = {o: n for n in half.graph.node for o in n.output}
 
     def dtype(value: str) -> int:
@@ -112,10 +119,27 @@ def test_the_fused_form_runs_the_delta_rule_as_one_node_without_control_flow(d3_
 
     for rule in rules:
         assert rule.domain == "com.microsoft"
-        query, key, value, seqlens, decay, beta, state = rule.input
+        query, key, value, seqlens, decay, beta, state, a_log, dt_bias = rule.input
         assert [dtype(v) for v in (query, key, value)] == [onnx.TensorProto.FLOAT16] * 3
-        assert [dtype(v) for v in (decay, beta, state)] == [onnx.TensorProto.FLOAT] * 3
+        assert [dtype(v) for v in (decay, beta, state, a_log, dt_bias)] == [onnx.TensorProto.FLOAT] * 5
         assert seqlens == ""  # uniform packing: right-padded rows, each read at its own last token
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in rule.attribute}
+        assert attributes["gate_activation"] == b"qwen" and attributes["beta_activation"] == b"sigmoid"
+        assert attributes["qk_l2_norm"] == 1
+
+
+def test_the_fused_graph_in_torch_is_the_portable_one(d3_checkpoint):
+    """The fused ops' eager bodies compute what the portable graph computes: the torch module behind the fused
+    export and the portable one agree on a padded batch."""
+    import torch
+
+    from systemone.export.d3.config import D3ExportConfig
+
+    config = D3ExportConfig(d3_checkpoint)
+    inputs = config.example_inputs()
+    with torch.no_grad():
+        portable, fused = (config.graph(fused=fused)(*inputs) for fused in (False, True))
+    assert torch.allclose(portable, fused, atol=1e-5), (portable - fused).abs().max()
 
 
 def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_checkpoint, d3_artifact, tmp_path,
@@ -160,6 +184,28 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
     fp16_values = {v.name for v in half.graph.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
     producers = {n.op_type for n in half.graph.node if any(o in fp16_values for o in n.output)}
     assert producers == {"MatMul", "Gather", "Cast"}
+
+
+def test_a_form_onnxruntime_cannot_run_is_refused_and_the_next_one_is_tried(d3_checkpoint, d3_artifact, tmp_path,
+                                                                              monkeypatch):
+    """E.g. a contrib op an older onnxruntime lacks: export records why and goes down the ladder."""
+    import systemone.export.forms as forms_module
+
+    real_gate = forms_module.gate_form
+
+    def gate(config, staging, form, device):
+        if form.name == "cuda-fp16":
+            raise RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : no kernel for this node\nmore detail")
+        return real_gate(config, staging, form, device)
+
+    monkeypatch.setattr(forms_module, "gate_form", gate)
+    out = tmp_path / "art"
+    shutil.copytree(d3_artifact, out)
+    manifest = add_forms(str(d3_checkpoint), out, forms=["cuda-fp16", "cuda-fp16-matmuls"])
+    assert manifest.forms["cuda-fp16"].refused == ("onnxruntime could not run it on cpu: RuntimeError: "
+                                                   "[ONNXRuntimeError] : 10 : INVALID_GRAPH : no kernel for this node")
+    assert not (out / "text.cuda-fp16.onnx").exists()
+    assert manifest.forms["cuda-fp16-matmuls"].refused is None
 
 
 def test_forms_are_added_only_to_an_export_of_the_same_checkpoint(d1_checkpoint, d3_artifact, tmp_path):

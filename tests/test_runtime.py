@@ -75,6 +75,9 @@ def test_batches_respect_the_token_budget():
 
 def test_runner_returns_rows_in_prompt_order():
     class Echo:
+        def capture_shape(self, batch, length):
+            return None  # no CUDA graphs
+
         def run(self, feeds, run_options=None):
             return [np.stack([feeds["input_ids"][:, 0], feeds["attention_mask"].sum(1)], axis=1).astype(np.float32)]
 

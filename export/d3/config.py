@@ -21,7 +21,7 @@ from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
 from ..parity import check_parity, sample_prompts, worst_vision_sample
-from .fused_delta_rule import TRANSLATIONS
+from .fused_ops import TRANSLATIONS
 from .qwen3_5_text import D3TextGraph
 from .qwen3_5_vision import D3VisionGraph
 
@@ -81,9 +81,9 @@ class D3ExportConfig(ExportConfig):
     def attention_mode(self) -> str:
         return self.decision_config.attention_mode
 
-    def graph(self, fused_delta_rule: bool = False) -> D3TextGraph:
+    def graph(self, fused: bool = False) -> D3TextGraph:
         return D3TextGraph(self.model, self.readout_weight, self.readout_bias, self.attention_mode,
-                           fused_delta_rule).eval()
+                           fused).eval()
 
     @property
     def vision_config(self):
@@ -217,7 +217,7 @@ class D3ExportConfig(ExportConfig):
         # The text graph in half precision; the vision graph stays the portable fp32 one (no answer gate covers it
         # yet). The fused text graph runs the delta rule as onnxruntime's GatedDeltaNet node.
         text = self.graphs()[0]
-        fused = replace(text, module=lambda: self.graph(fused_delta_rule=True), translations=TRANSLATIONS)
+        fused = replace(text, module=lambda: self.graph(fused=True), translations=TRANSLATIONS)
         return cuda_forms({"text": tuple(TEXT_OUTPUTS)},
                           lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)),
                           fused={"text": fused})

@@ -4,7 +4,7 @@ It reads the weights of transformers' `Qwen3_5Model` (same modules, same names) 
 (spec 4.13/4.14) in a form `torch.onnx.export(dynamo=True)` keeps dynamic:
 
 * the gated delta rule is the portable chunked one (`delta_rule.py`) or, in the CUDA form's graph, onnxruntime's
-  fused node (`fused_delta_rule.py`);
+  fused node, with the short convolution and the gated norm beside it (`fused_ops.py`);
 * the 3-D M-RoPE positions are a graph input (computed by the runtime, spec 4.11);
 * attention masks are built in the graph from the 2-D padding mask: causal for `causal`, bidirectional over the
   whole prompt for `noncausal_full_attention` (full-attention layers only; Gated DeltaNet stays causal, spec 4.3).
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..short_conv import shifted_conv
-from .delta_rule import chunk_gated_delta_rule, l2norm
-from .fused_delta_rule import gated_delta_rule
+from .delta_rule import chunk_gated_delta_rule
+from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     # Divided by the root rather than times its reciprocal: the pattern onnxruntime fuses into one
@@ -37,7 +37,8 @@ def _norm_1p(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedDeltaNetLayer(nn.Module):
-    """`fused`: the rule as onnxruntime's GatedDeltaNet node (the CUDA form) rather than the portable chunk loop."""
+    """`fused`: the short convolution, delta rule and gated norm as onnxruntime's fused nodes (the CUDA form,
+    `fused_ops.py`) rather than the portable graph's ops and chunk loop."""
 
     def __init__(self, hf: nn.Module, fused: bool = False):
         super().__init__()
@@ -48,27 +49,31 @@ class GatedDeltaNetLayer(nn.Module):
         hf = self.hf
         hidden = hidden * pad_mask[:, :, None].to(hidden.dtype)
         batch, length, _ = hidden.shape
-        mixed = hf.in_proj_qkv(hidden).transpose(1, 2)
-        window = F.pad(mixed, (hf.conv_kernel_size - 1, 0))  # the causal conv's zeros before the first token
-        mixed = F.silu(shifted_conv(window, hf.conv1d.weight[:, 0, :], length)).transpose(1, 2)
+        if self.fused:
+            mixed = causal_conv_silu(hf.in_proj_qkv(hidden), hf.conv1d.weight)
+        else:
+            window = F.pad(hf.in_proj_qkv(hidden).transpose(1, 2), (hf.conv_kernel_size - 1, 0))  # zeros first
+            mixed = F.silu(shifted_conv(window, hf.conv1d.weight[:, 0, :], length)).transpose(1, 2)
         query, key, value = torch.split(mixed, [hf.key_dim, hf.key_dim, hf.value_dim], dim=-1)
         query = query.reshape(batch, length, -1, hf.head_k_dim)
         key = key.reshape(batch, length, -1, hf.head_k_dim)
         value = value.reshape(batch, length, -1, hf.head_v_dim)
         z = hf.in_proj_z(hidden).reshape(batch, length, -1, hf.head_v_dim)
-        beta = hf.in_proj_b(hidden).sigmoid()
-        g = -hf.A_log.float().exp() * F.softplus(hf.in_proj_a(hidden).float() + hf.dt_bias)
         repeat = hf.num_v_heads // hf.num_k_heads
         if repeat > 1:
             query = query.repeat_interleave(repeat, dim=2)
             key = key.repeat_interleave(repeat, dim=2)
-        if self.fused:
-            core = gated_delta_rule(l2norm(query.float()), l2norm(key.float()), value.float(), g, beta.float(),
-                                    hf.head_k_dim ** -0.5)
-        else:
-            core = chunk_gated_delta_rule(query, key, value, g, beta)
-        core = core.to(hidden.dtype)
         norm = hf.norm
+        if self.fused:
+            core = gated_delta_rule(query.float(), key.float(), value.float(), hf.in_proj_a(hidden).float(),
+                                    hf.in_proj_b(hidden).float(), hf.A_log.float(), hf.dt_bias.float(),
+                                    hf.head_k_dim ** -0.5)
+            gated = gated_rms_norm(core.reshape(batch, length, -1), norm.weight.float(),
+                                   z.reshape(batch, length, -1).float(), norm.variance_epsilon)
+            return hf.out_proj(gated.to(hidden.dtype))
+        beta = hf.in_proj_b(hidden).sigmoid()
+        g = -hf.A_log.float().exp() * F.softplus(hf.in_proj_a(hidden).float() + hf.dt_bias)
+        core = chunk_gated_delta_rule(query, key, value, g, beta).to(hidden.dtype)
         gated = _rms(core.float(), norm.variance_epsilon).to(hidden.dtype) * norm.weight
         gated = (gated * F.silu(z.float())).to(hidden.dtype)
         return hf.out_proj(gated.reshape(batch, length, -1))
@@ -113,7 +118,7 @@ class D3TextGraph(nn.Module):
     """Qwen3.5 text backbone (weights shared with a transformers `Qwen3_5Model`) + readout at the last token."""
 
     def __init__(self, hf_model: nn.Module, readout_weight: torch.Tensor, readout_bias: torch.Tensor | None,
-                 attention_mode: str, fused_delta_rule: bool = False):
+                 attention_mode: str, fused: bool = False):
         super().__init__()
         if attention_mode not in ("causal", "noncausal_full_attention"):
             raise ValueError(f"unsupported attention_mode {attention_mode!r}")
@@ -127,7 +132,7 @@ class D3TextGraph(nn.Module):
         for layer in text.layers:
             self.layers.append(layer)
             if layer.block_type == "linear_attention":
-                self.mixers.append(GatedDeltaNetLayer(layer.linear_attn, fused_delta_rule))
+                self.mixers.append(GatedDeltaNetLayer(layer.linear_attn, fused))
             else:
                 self.mixers.append(FullAttentionLayer(layer.self_attn))
         rotary = text.rotary_emb

@@ -1,0 +1,127 @@
+"""onnxruntime's fused contrib ops for the CUDA form's d3 text graph (docs/gpu.md, "The fused form"): each Gated
+DeltaNet layer's short convolution, delta rule and gated norm as one node each, in place of the portable graph's
+dozens (and its `Scan`, which runs its loop logic on the host and cannot be captured as a CUDA graph).
+
+Each is a torch custom op (`systemone::...`) whose eager body is the portable graph's computation, and
+`TRANSLATIONS` maps it to its `com.microsoft` node when `torch.onnx.export` writes the graph. onnx has no schema
+for onnxruntime's contrib ops, so each carries the part of the op's schema the graph uses (the exporter places
+inputs and attributes by it). The nodes, and the sums they compute:
+
+- `CausalConvWithState` (channels last, SiLU, no carried state): out[t] = silu(sum_k w[:, k] x[t - K + 1 + k]),
+  zeros before the first token.
+- `GatedDeltaNet` (gated delta rule, Qwen gate, sigmoid update rate, L2-normalised query and key), per value head
+  with state S [Dk, Dv] from zero: S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T and
+  o_t = scale S_t^T q_t, where g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b). On CUDA its chunked
+  tensor-core engine runs only with fp16 query/key/value (128-wide heads): the node reads them in fp16; decay,
+  update rate and state stay fp32 (the op's contract).
+- `GatedRMSNorm` (SiLU gate): y = x / sqrt(mean(x^2) + eps) * w * silu(z), over each head's values.
+"""
+
+import onnx
+import onnxscript
+import torch
+import torch.nn.functional as F
+from onnxscript import FLOAT, FLOAT16
+from onnxscript import opset18 as op
+
+from ..short_conv import shifted_conv
+from .delta_rule import chunked_rule, l2norm
+
+_Param, _Option = onnx.defs.OpSchema.FormalParameter, onnx.defs.OpSchema.FormalParameterOption
+_Attr, _AttrType = onnx.defs.OpSchema.Attribute, onnx.defs.OpSchema.AttrType
+_MICROSOFT = onnxscript.values.Opset("com.microsoft", 1)
+
+
+def _op(name: str, inputs: list, outputs: list, types: list, attributes: dict[str, _AttrType]) -> onnxscript.values.Op:
+    schema = onnx.defs.OpSchema(name, "com.microsoft", 1, inputs=inputs, outputs=outputs, type_constraints=types,
+                                attributes=[_Attr(attr, kind, "") for attr, kind in attributes.items()])
+    return onnxscript.values.Op(_MICROSOFT, name, schema)
+
+
+_HALF_OR_FLOAT = ["tensor(float16)", "tensor(float)"]
+CAUSAL_CONV = _op("CausalConvWithState", [_Param("input", "T"), _Param("weight", "T")],
+                  [_Param("output", "T"), _Param("present_state", "T")], [("T", _HALF_OR_FLOAT, "")],
+                  {"channels_last": _AttrType.INT, "activation": _AttrType.STRING})
+GATED_DELTA_NET = _op(
+    "GatedDeltaNet",
+    [_Param("query", "T"), _Param("key", "T"), _Param("value", "T"),
+     _Param("cu_seqlens", "TI", param_option=_Option.Optional), _Param("decay", "TS"), _Param("beta", "TS"),
+     _Param("initial_state", "TS"), _Param("a_log", "TS"), _Param("dt_bias", "TS")],
+    [_Param("output", "T")],
+    [("T", _HALF_OR_FLOAT, ""), ("TI", ["tensor(int32)"], ""), ("TS", ["tensor(float)"], "")],
+    {"update_rule": _AttrType.STRING, "gate_activation": _AttrType.STRING, "beta_activation": _AttrType.STRING,
+     "qk_l2_norm": _AttrType.INT, "scale": _AttrType.FLOAT})
+GATED_RMS_NORM = _op("GatedRMSNorm", [_Param("X", "T"), _Param("scale", "T"), _Param("gate", "T")],
+                     [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")],
+                     {"epsilon": _AttrType.FLOAT, "activation": _AttrType.STRING})
+
+
+# -- the short convolution ---------------------------------------------------------------------------------------
+@torch.library.custom_op("systemone::causal_conv_silu", mutates_args=())
+def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [B, L, C] (channels last), weight [C, 1, K] -> silu(causal depthwise conv) [B, L, C]."""
+    length, taps = x.shape[1], weight.shape[-1]
+    window = F.pad(x.transpose(1, 2), (taps - 1, 0))
+    return F.silu(shifted_conv(window, weight[:, 0, :], length)).transpose(1, 2).contiguous()
+
+
+@causal_conv_silu.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape)
+
+
+def _causal_conv(x: FLOAT, weight: FLOAT) -> FLOAT:
+    out, _ = CAUSAL_CONV(x, weight, channels_last=1, activation="silu")
+    return out
+
+
+# -- the delta rule ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("systemone::gated_delta_rule", mutates_args=())
+def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     a_log: torch.Tensor, dt_bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """query, key [B, L, H, Dk], value [B, L, H, Dv], the decay and update-rate projections a, b [B, L, H] and the
+    per-head A_log, dt_bias [H], fp32 -> [B, L, H, Dv]."""
+    g = -a_log.exp() * F.softplus(a + dt_bias)
+    return chunked_rule(l2norm(query), l2norm(key), value, g, b.sigmoid(), scale).contiguous()
+
+
+@gated_delta_rule.register_fake
+def _(query, key, value, a, b, a_log, dt_bias, scale):
+    return value.new_empty(value.shape)
+
+
+def _gated_delta_net(query: FLOAT, key: FLOAT, value: FLOAT, a: FLOAT, b: FLOAT, a_log: FLOAT, dt_bias: FLOAT,
+                     scale: float) -> FLOAT:
+    # The state's shape [B, H, Dv, Dk] from the inputs' (the uniform, rank-4 packing takes its batch from it).
+    state_shape = op.Concat(op.Shape(value, start=0, end=1), op.Shape(value, start=2, end=4),
+                            op.Shape(key, start=3, end=4), axis=0)
+    state = op.ConstantOfShape(state_shape)
+    # 'qwen' names the softplus gate in onnxruntime 1.31 (1.32 calls it 'softplus' and keeps 'qwen' as an alias).
+    out = GATED_DELTA_NET(op.Cast(query, to=FLOAT16.dtype), op.Cast(key, to=FLOAT16.dtype),
+                          op.Cast(value, to=FLOAT16.dtype), None, a, b, state, a_log, dt_bias,
+                          update_rule="gated_delta", gate_activation="qwen", beta_activation="sigmoid",
+                          qk_l2_norm=1, scale=scale)
+    return op.Cast(out, to=FLOAT.dtype)
+
+
+# -- the gated norm ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("systemone::gated_rms_norm", mutates_args=())
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [..., H * C], weight [C], fp32: each head's C values normalised, scaled, gated by silu(gate)."""
+    heads = x.reshape(*x.shape[:-1], -1, weight.shape[0])
+    normed = heads / torch.sqrt(heads.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return (normed.reshape(x.shape) * F.silu(gate)).contiguous()
+
+
+@gated_rms_norm.register_fake
+def _(x, weight, gate, eps):
+    return x.new_empty(x.shape)
+
+
+def _gated_rms_norm(x: FLOAT, weight: FLOAT, gate: FLOAT, eps: float) -> FLOAT:
+    return GATED_RMS_NORM(x, weight, gate, epsilon=eps, activation="silu")
+
+
+TRANSLATIONS = {torch.ops.systemone.causal_conv_silu.default: _causal_conv,
+                torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
+                torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm}
