@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (see ../shared/device/README.md), in steps of one warm lease (each under the 10-minute
 # limit of one call; the checkpoint and artifact stay in ~/work between them):
-#   bash scripts/gpu_bench.sh export SIZE MODE          build a random-init d3 checkpoint of SIZE, export it (portable)
+#   bash scripts/gpu_bench.sh export SIZE MODE          build a random-init checkpoint of SIZE (d3-* or d1-3B; MODE, the
+#                                                       d3 attention mode, is ignored for d1), export it (portable)
 #   bash scripts/gpu_bench.sh forms SIZE MODE [FORMS]   add the CUDA forms, their answer gates run on CUDA
 #   bash scripts/gpu_bench.sh precision SIZE MODE       how far torch's own half precisions are from fp32, on the
 #                                                       gate's questions
@@ -19,7 +20,12 @@ case "$step" in
 export)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import onnxruntime as o, torch, transformers; print('onnxruntime', o.__version__, o.get_available_providers()); print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  [ -f "$work/checkpoint/config.json" ] || python3 "$repo/scripts/build_d3_checkpoint.py" "$work/checkpoint" --size "$size" --attention-mode "$mode"
+  if [ ! -f "$work/checkpoint/config.json" ]; then
+    case "$size" in
+      d1*) python3 "$repo/scripts/build_d1_checkpoint.py" "$work/checkpoint" --size "$size" ;;
+      *) python3 "$repo/scripts/build_d3_checkpoint.py" "$work/checkpoint" --size "$size" --attention-mode "$mode" ;;
+    esac
+  fi
   python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --overwrite --portable-only 2>&1 | quiet
   ;;
 forms)
@@ -32,7 +38,7 @@ precision)
     --out "$out/torch_precision_${size}_${mode}.json" 2>&1 | quiet
   ;;
 bench)
-  for batch in 1 8; do  # onnxruntime's profile of the form serve takes, uncaptured
+  for batch in $(case "$size" in d1*) ;; *) echo 1 8 ;; esac); do  # d3: the profile of the form serve takes
     python3 "$repo/scripts/ort_profile.py" "$work/artifact" --device cuda --batch $batch --length 200 \
       --out "$out/profile_${size}_${mode}_b${batch}x200.json" 2>&1 | tail -12
   done

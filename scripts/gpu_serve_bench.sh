@@ -9,6 +9,7 @@
 #   bash scripts/gpu_serve_bench.sh SIZE MODE [SECONDS]
 set -euo pipefail
 size="$1"; mode="$2"; seconds="${3:-30}"
+family=$(case "$size" in d1*) echo d1 ;; *) echo d3 ;; esac)
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 work=~/work/"$size-$mode"; out="${OUT:-/tmp/out}"; mkdir -p "$out"
 cd ~  # keep the repo's systemone/ folder off sys.path (see gpu_bench.sh)
@@ -31,9 +32,9 @@ for port in 8000 8001; do
   fi
 done
 python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone \
-  --reference http://127.0.0.1:8001/v1/systemone --family d3 --clients 1 8 64 --seconds "$seconds" \
+  --reference http://127.0.0.1:8001/v1/systemone --family "$family" --clients 1 8 64 --seconds "$seconds" \
   --out "$out/serve_bench_${size}_${mode}.json"
 # Text-only one-question requests at 64 clients, our server alone.
-python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone --family d3 --kinds text1 --clients 64 \
+python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone --family "$family" --kinds text1 --clients 64 \
   --seconds "$seconds" --out "$out/serve_bench_text1_${size}_${mode}.json"
 grep "systemone serve:" "$out/serve.log" || true
