@@ -234,6 +234,13 @@ def test_the_gate_holds_max_and_median():
         gate_answers(pairs(200, [0.704, 0.296], [0.7, 0.3]))
 
 
+def test_the_gate_counts_the_questions_whose_prompts_carry_media():
+    with_media = [QuestionPair(f"m{i}", [0.7, 0.3], [0.7, 0.3], media=True) for i in range(3)]
+    report = gate_answers(pairs(200, [0.7, 0.3], [0.7, 0.3]) + with_media)
+    assert report["questions"] == 203 and report["media_questions"] == 3
+    assert report["summary"].startswith("203 questions (3 with media): ")
+
+
 def test_a_pick_may_differ_only_where_the_reference_is_undecided():
     close = pairs(200, [0.501, 0.499], [0.499, 0.501])  # top two 0.002 apart: fp16 may swap them
     assert gate_answers(close)["questions_with_clear_pick"] == 0

@@ -127,7 +127,7 @@ def question_pairs(service: DecisionService, reference: Any, requests: list[dict
     for body in requests:
         want = torch_reads(service, reference, body)
         prepared = service.prepare(body)
-        pairs += [QuestionPair(q.id, read.probs, want[q.id].probs)
+        pairs += [QuestionPair(q.id, read.probs, want[q.id].probs, media=bool(body.get("images")))
                   for q, read in zip(prepared.questions, onnx_reads(service, prepared))]
     return pairs
 
