@@ -27,3 +27,9 @@ def image_url(width: int, height: int, seed: int = 0) -> str:
     """A PNG image as a data URL."""
     return "data:image/png;base64," + _encoded(sample_rgb(width, height, seed), "PNG")
 
+
+def jpeg_video_url(width: int, height: int, frames: int, seed: int = 0) -> str:
+    """A video as JPEG frames in one data URL (`data:video/jpeg;base64,<jpeg>,<jpeg>,...`: every frame read, at
+    2 fps, nothing to demux), each frame its own image."""
+    return "data:video/jpeg;base64," + ",".join(_encoded(sample_rgb(width, height, seed + k), "JPEG")
+                                                for k in range(frames))
