@@ -20,11 +20,13 @@ from .config import AnswerTolerance, ParityError
 
 @dataclass(frozen=True)
 class QuestionPair:
-    """One question's probabilities: the runtime's (`got`) and the torch reference's (`want`)."""
+    """One question's probabilities: the runtime's (`got`) and the torch reference's (`want`); `media` when its
+    prompt carries images or videos (the vision graph ran for it)."""
 
     question: str
     got: Sequence[float]
     want: Sequence[float]
+    media: bool = False
 
 
 def gate_answers(pairs: Sequence[QuestionPair], tolerance: AnswerTolerance = AnswerTolerance()) -> dict[str, Any]:
@@ -36,8 +38,9 @@ def gate_answers(pairs: Sequence[QuestionPair], tolerance: AnswerTolerance = Ans
         raise ParityError(f"answers disagree with the torch fp32 model over {len(pairs)} questions: "
                           + "; ".join(report["problems"]))
     del report["problems"]
-    report["summary"] = (f"{len(pairs)} questions: max |dp| {report['max_abs_dp']:.2e}, median |dp| "
-                         f"{report['median_abs_dp']:.2e}, {report['questions_with_clear_pick']} clear picks all equal")
+    report["summary"] = (f"{len(pairs)} questions ({report['media_questions']} with media): max |dp| "
+                         f"{report['max_abs_dp']:.2e}, median |dp| {report['median_abs_dp']:.2e}, "
+                         f"{report['questions_with_clear_pick']} clear picks all equal")
     return report
 
 
@@ -52,7 +55,8 @@ def answer_figures(pairs: Sequence[QuestionPair], tolerance: AnswerTolerance = A
             decided += 1
             if first_argmax(list(got)) != first_argmax(list(want)):
                 flips.append(pair.question)
-    report = {"questions": len(pairs), "max_abs_dp": max(worst), "median_abs_dp": float(np.median(worst)),
+    report = {"questions": len(pairs), "media_questions": sum(pair.media for pair in pairs),
+              "max_abs_dp": max(worst), "median_abs_dp": float(np.median(worst)),
               "questions_with_clear_pick": decided, "clear_picks_differing": flips, "tolerance": asdict(tolerance)}
     problems = []
     if report["max_abs_dp"] > tolerance.max_dp:

@@ -82,18 +82,26 @@ class HalfForm:
     tolerance: AnswerTolerance = AnswerTolerance()
     # Graphs the form exports itself (with fused onnxruntime ops) rather than rewriting the portable export's.
     sources: dict[str, GraphSpec] = field(default_factory=dict)
+    # Graphs rewritten at another precision than `precision`, whatever the rung (d3's vision graph: matrix products
+    # only, its norms, softmax and residual sums in fp32 where an all-fp16 tower may overflow).
+    graph_precisions: dict[str, Precision] = field(default_factory=dict)
+
+    def precision_of(self, graph: str) -> Precision:
+        return self.graph_precisions.get(graph, self.precision)
 
 
 def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any], list[Any]],
-               fused: dict[str, GraphSpec] | None = None) -> list[HalfForm]:
+               fused: dict[str, GraphSpec] | None = None,
+               graph_precisions: dict[str, Precision] | None = None) -> list[HalfForm]:
     """The CUDA forms, fastest first: export writes the first whose answers pass the gate (export/forms.py).
     With `fused` (graphs written with onnxruntime's fused contrib ops: no control flow), `cuda-fused` comes first:
     those graphs with fp16 matrix products. Then every node in fp16 (the decay and recurrence aside); then fp16
-    matrix products on an fp32 residual stream, norms and softmax, as torch's autocast runs, which round less."""
-    ladder = [HalfForm("cuda-fused-fp16", ("cuda",), graphs, answer_pairs, FLOAT16, sources=fused),
-              HalfForm("cuda-fused", ("cuda",), graphs, answer_pairs, FLOAT16_MATMULS, sources=fused)] if fused else []
-    return [*ladder, HalfForm("cuda-fp16", ("cuda",), graphs, answer_pairs, FLOAT16),
-            HalfForm("cuda-fp16-matmuls", ("cuda",), graphs, answer_pairs, FLOAT16_MATMULS)]
+    matrix products on an fp32 residual stream, norms and softmax, as torch's autocast runs, which round less.
+    `graph_precisions` holds a graph at one precision on every rung."""
+    ladder = [("cuda-fused-fp16", FLOAT16, fused), ("cuda-fused", FLOAT16_MATMULS, fused)] if fused else []
+    ladder += [("cuda-fp16", FLOAT16, None), ("cuda-fp16-matmuls", FLOAT16_MATMULS, None)]
+    return [HalfForm(name, ("cuda",), graphs, answer_pairs, precision, sources=sources or {},
+                     graph_precisions=graph_precisions or {}) for name, precision, sources in ladder]
 
 
 class ExportConfig(ABC):

@@ -80,12 +80,13 @@ def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, mani
                 progress(f"the {form.name} form is not needed: a form for {', '.join(form.providers)} is written")
                 continue
             files = form_files(form)
-            progress(f"writing the {form.name} form: {', '.join(form.graphs)} at {form.precision.name}, readout in "
-                     "float32")
+            progress(f"writing the {form.name} form: "
+                     + ", ".join(f"{graph} at {form.precision_of(graph).name}" for graph in form.graphs)
+                     + ", readout in float32")
             for graph, outputs in form.graphs.items():
                 spec = form.sources.get(graph)
                 source = staging / manifest.graphs[graph].file if spec is None else sources.path(graph, spec)
-                convert_to_half(source, staging / files[graph], outputs, form.precision)
+                convert_to_half(source, staging / files[graph], outputs, form.precision_of(graph))
             entry = FormEntry(HALF_DTYPE, list(form.providers), files)
             replace(manifest, forms={**manifest.forms, form.name: entry}).write(staging)
             progress(f"checking the {form.name} form's answers against the torch fp32 model on {device}")

@@ -1,12 +1,12 @@
 """How far torch's own half-precision runs of a d3 checkpoint are from its fp32 run, on the questions the CUDA
-form's answer gate asks (export/d3/answer_parity.py, 210 questions), measured by the gate's rule: a yardstick for
-the gate's figures on a random-init checkpoint (docs/gpu.md, "The CUDA form").
+form's answer gate asks (export/d3/answer_parity.py, 210 questions, 42 of them with images or a video), measured by
+the gate's rule: a yardstick for the gate's figures on a random-init checkpoint (docs/gpu.md, "The CUDA form").
 
     python scripts/torch_precision.py CHECKPOINT ARTIFACT [--device cuda] [--out FILE]
 
 The precisions: torch.autocast fp16 and bf16 (matrix products in half, norms and the residual stream fp32) and
 the whole model cast to bf16 (how the checkpoint's own server and vLLM run it). The artifact only renders the
-prompts.
+prompts and preprocesses the media.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ def measure(config, args: argparse.Namespace) -> dict:
 
     from systemone.export.answer_gate import QuestionPair, answer_figures
     from systemone.export.d3.answer_parity import parity_requests, torch_probabilities
-    from systemone.export.d3.config import GATE_REQUESTS
+    from systemone.export.d3.config import GATE_MEDIA_EVERY, GATE_REQUESTS
     from systemone.runtime.artifact import Artifact
     from systemone.runtime.engine import EngineOptions
     from systemone.runtime.service import DecisionService
 
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device="cpu", form="portable"))
-    requests = parity_requests(GATE_REQUESTS)
+    requests = [service.prepare(body) for body in parity_requests(GATE_REQUESTS, GATE_MEDIA_EVERY)]
 
     @contextlib.contextmanager
     def autocast(dtype: torch.dtype) -> Iterator[None]:
@@ -63,7 +63,7 @@ def measure(config, args: argparse.Namespace) -> dict:
         yield
 
     def answers() -> list[dict[str, list[float]]]:
-        return [torch_probabilities(service, config, body) for body in requests]
+        return [torch_probabilities(service, config, prepared) for prepared in requests]
 
     want = answers()
     variants: dict[str, Callable[[], contextlib.AbstractContextManager]] = {

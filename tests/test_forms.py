@@ -15,6 +15,7 @@ import pytest
 from systemone.export.answer_gate import QuestionPair, gate_answers
 from systemone.export.config import AnswerTolerance, ParityError
 from systemone.export.pipeline import add_forms
+from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact, ArtifactError
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
@@ -22,6 +23,13 @@ from systemone.runtime.service import DecisionService
 # The form each family's tiny artifact gets: the first of its ladder (d3's fused graph in fp16; d1 declares no fused
 # graph, so its first is the all-fp16 rewrite of the portable graph).
 FORM = {"d3": "cuda-fused-fp16", "d1": "cuda-fp16"}
+# The graphs each family's forms rewrite: d3's vision graph too (its gate asks questions with images and videos);
+# d1's vision graph stays the portable one.
+FORM_GRAPHS = {"d3": ("text", "vision"), "d1": ("text",)}
+
+
+def form_files(form: str, family: str = "d3") -> dict[str, str]:
+    return {graph: f"{graph}.{form}.onnx" for graph in FORM_GRAPHS[family]}
 
 
 @pytest.mark.parametrize("family", ["d3", "d1"])
@@ -30,12 +38,14 @@ def test_export_writes_a_gated_half_precision_form(family, request):
     manifest = json.loads((artifact / "manifest.json").read_text())
     form = manifest["forms"][FORM[family]]
     assert form["dtype"] == "float16" and form["providers"] == ["cuda"] and "refused" not in form
-    assert form["graphs"] == {"text": f"text.{FORM[family]}.onnx"}
+    assert form["graphs"] == form_files(FORM[family], family)
+    assert all((artifact / file).is_file() for file in form["graphs"].values())
     # The forms after it on the ladder are not needed: one form per provider set.
     assert [name for name in manifest["forms"] if name != FORM[family]] == []
     gate = form["gate"]
     assert gate["questions"] >= 200 and gate["max_abs_dp"] <= 0.02 and gate["median_abs_dp"] <= 0.003
     assert gate["clear_picks_differing"] == [] and gate["questions_with_clear_pick"] > 100
+    assert gate["media_questions"] >= 40  # d3: images and short videos; d1: images
     assert gate["provider"] == "CPUExecutionProvider"  # no GPU here: the gate ran where export ran
     # The portable graphs are untouched and still fp32.
     assert manifest["graphs"]["text"]["file"] == "text.onnx" and manifest["graphs"]["text"]["dtype"] == "float32"
@@ -52,19 +62,45 @@ def test_the_half_precision_graph_keeps_its_inputs_outputs_and_readout_in_fp32(f
     fp16 = [t for t in weights if t.data_type == onnx.TensorProto.FLOAT16]
     fp32 = [t for t in weights if t.data_type == onnx.TensorProto.FLOAT]
     assert len(fp16) > 10 * len(fp32)
-    # The readout (d3: the code readout; d1: the LM head and log-softmax) runs in fp32 on fp32 weights, and its
-    # logits reach the output unrounded: no fp16 cast between the readout MatMul and the output.
+    # The readout (d3: the code readout; d1: the LM head and log-softmax) runs in fp32 on fp32 weights.
+    assert_output_product_in_fp32(half)
+
+
+def assert_output_product_in_fp32(half) -> None:
+    """The MatMul/Gemm that makes the graph's output reads fp32 weights, and its values reach the output unrounded:
+    no fp16 cast between it and the output."""
     producer = {o: n for n in half.graph.node for o in n.output}
     node, path = producer[half.graph.output[0].name], []
     while node.op_type not in ("MatMul", "Gemm"):
         path.append(node)
         node = producer[node.input[0]]
     assert not any(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT16 for n in path), path
-    fp32_names = {t.name for t in fp32}
+    fp32_names = {t.name for t in half.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     weight = node.input[1]
     while weight not in fp32_names:  # through the Identity (and, d1, the Transpose) that read it
         assert weight in producer and producer[weight].op_type in ("Identity", "Transpose"), weight
         weight = producer[weight].input[0]
+
+
+def fp16_producers(half) -> set[str]:
+    fp16_values = {v.name for v in half.graph.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
+    return {n.op_type for n in half.graph.node if any(o in fp16_values for o in n.output)}
+
+
+def test_the_d3_form_rewrites_the_vision_graph_with_only_its_matrix_products_in_fp16(d3_artifact):
+    """Whatever the rung (cuda-fused-fp16 runs its text graph all fp16), the vision graph has only its matrix
+    products and the position table's lookup in fp16, on fp16 weights; its inputs, norms, softmax and its output
+    (the merger's last product, on its fp32 weight) stay fp32."""
+    half = onnx.load(str(d3_artifact / f"vision.{FORM['d3']}.onnx"), load_external_data=False)
+    portable = onnx.load(str(d3_artifact / "vision.onnx"), load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*half.graph.input, *half.graph.output]}
+    assert types == {v.name: v.type.tensor_type.elem_type for v in [*portable.graph.input, *portable.graph.output]}
+    assert fp16_producers(half) == {"MatMul", "Gemm", "Gather", "Cast"}
+    # Every product on a weight reads it in fp16 (the output's reads its fp32 weight through an Identity).
+    weights = {t.name: t.data_type for t in half.graph.initializer}
+    read = [weights[n.input[1]] for n in half.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
+    assert len(read) >= 4 and set(read) == {onnx.TensorProto.FLOAT16}
+    assert_output_product_in_fp32(half)
 
 
 def test_the_runtime_picks_the_form_for_its_device(d3_artifact):
@@ -72,7 +108,8 @@ def test_the_runtime_picks_the_form_for_its_device(d3_artifact):
     assert artifact.forms_for("cuda") == [FORM["d3"], "portable"]
     assert artifact.forms_for("cpu") == ["portable"] and artifact.forms_for("rocm") == ["portable"]
     assert artifact.with_form("auto", "cuda").graph_path("text").name == "text.cuda-fused-fp16.onnx"
-    assert artifact.with_form("auto", "cuda").graph_path("vision").name == "vision.onnx"  # not rewritten
+    assert artifact.with_form("auto", "cuda").graph_path("vision").name == "vision.cuda-fused-fp16.onnx"
+    assert artifact.with_form("auto", "cpu").graph_path("vision").name == "vision.onnx"
     assert artifact.with_form("auto", "cpu").graph_path("text").name == "text.onnx"
     assert DecisionService(artifact, EngineOptions(device="cpu")).form == "portable"
     with pytest.raises(ArtifactError, match="has no form 'bf16'.*portable, cuda-fused-fp16"):
@@ -92,6 +129,21 @@ def test_a_form_named_outright_runs_anywhere_and_answers_like_the_portable_one(f
     for qid, answer in answers["portable"].items():
         half = answers[FORM[family]][qid]["probabilities"]
         assert max(abs(p - half[k]) for k, p in answer["probabilities"].items()) <= 0.02
+
+
+def test_the_d3_form_answers_an_image_request_through_its_own_vision_graph_like_the_portable_one(d3_artifact):
+    body = {"state": {"ticket": "Parcel arrived crushed", "photo": "attached"}, "images": [image_url(640, 480, seed=5)],
+            "questions": {"damaged": {"type": "noul", "instructions": "Is the parcel damaged?"},
+                          "fault": {"type": "choice", "criteria": {"carrier": None, "sender": None, "nobody": None}}}}
+    services = {form: DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu", form=form))
+                for form in ("portable", FORM["d3"])}
+    half = services[FORM["d3"]]
+    assert half.artifact.graph_path("vision").name == f"vision.{FORM['d3']}.onnx"
+    answers = {form: service.decide(body)["answers"] for form, service in services.items()}
+    assert half.engine.vision_session.runs == 1
+    for qid, answer in answers["portable"].items():
+        got = answers[FORM["d3"]][qid]["probabilities"]
+        assert max(abs(p - got[k]) for k, p in answer["probabilities"].items()) <= 0.02
 
 
 def test_the_fused_form_runs_each_gated_deltanet_layer_as_three_nodes_without_control_flow(d3_checkpoint,
@@ -169,21 +221,20 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
                "max |dp|" in err
         refused = manifest.forms[name]
         assert refused.refused.startswith("answers disagree") and refused.graphs == {}
-        assert not (out / f"text.{name}.onnx").exists() and not (out / f"text.{name}.onnx.data").exists()
+        for file in form_files(name).values():
+            assert not (out / file).exists() and not (out / f"{file}.data").exists()
     assert len(exports) == 1  # the fused graph is exported once for both fused forms
     assert sorted(path.name for path in out.glob("*.float32.onnx*")) == []  # the fused fp32 export is removed
     written = manifest.forms["cuda-fp16-matmuls"]
     assert written.refused is None and written.gate["max_abs_dp"] <= 0.02
-    assert written.graphs == {"text": "text.cuda-fp16-matmuls.onnx"}
+    assert written.graphs == form_files("cuda-fp16-matmuls")
     artifact = Artifact.load(out)
     assert artifact.forms_for("cuda") == ["cuda-fp16-matmuls", "portable"]
     with pytest.raises(ArtifactError, match="export refused it: answers disagree"):
         artifact.with_form("cuda-fp16", "cuda")
     # Only the matrix products and the embedding lookup are fp16: norms, softmax and the residual stream stay fp32.
     half = onnx.load(str(out / "text.cuda-fp16-matmuls.onnx"), load_external_data=False)
-    fp16_values = {v.name for v in half.graph.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
-    producers = {n.op_type for n in half.graph.node if any(o in fp16_values for o in n.output)}
-    assert producers == {"MatMul", "Gather", "Cast"}
+    assert fp16_producers(half) == {"MatMul", "Gather", "Cast"}
 
 
 def test_a_form_onnxruntime_cannot_run_is_refused_and_the_next_one_is_tried(d3_checkpoint, d3_artifact, tmp_path,
@@ -204,7 +255,7 @@ def test_a_form_onnxruntime_cannot_run_is_refused_and_the_next_one_is_tried(d3_c
     manifest = add_forms(str(d3_checkpoint), out, forms=["cuda-fp16", "cuda-fp16-matmuls"])
     assert manifest.forms["cuda-fp16"].refused == ("onnxruntime could not run it on cpu: RuntimeError: "
                                                    "[ONNXRuntimeError] : 10 : INVALID_GRAPH : no kernel for this node")
-    assert not (out / "text.cuda-fp16.onnx").exists()
+    assert not any((out / file).exists() for file in form_files("cuda-fp16").values())
     assert manifest.forms["cuda-fp16-matmuls"].refused is None
 
 
@@ -232,6 +283,13 @@ def test_the_gate_holds_max_and_median():
         gate_answers(pairs(200, [0.7, 0.3], [0.7, 0.3]) + pairs(1, [0.725, 0.275], [0.7, 0.3]))
     with pytest.raises(ParityError, match=r"median \|dp\| 0.0040 > 0.003"):
         gate_answers(pairs(200, [0.704, 0.296], [0.7, 0.3]))
+
+
+def test_the_gate_counts_the_questions_whose_prompts_carry_media():
+    with_media = [QuestionPair(f"m{i}", [0.7, 0.3], [0.7, 0.3], media=True) for i in range(3)]
+    report = gate_answers(pairs(200, [0.7, 0.3], [0.7, 0.3]) + with_media)
+    assert report["questions"] == 203 and report["media_questions"] == 3
+    assert report["summary"].startswith("203 questions (3 with media): ")
 
 
 def test_a_pick_may_differ_only_where_the_reference_is_undecided():

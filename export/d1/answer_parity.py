@@ -5,8 +5,6 @@ reads: every pick, every probability, label_mass and argmax_is_label. Used by th
 
 from __future__ import annotations
 
-import base64
-import io
 from typing import Any
 
 import numpy as np
@@ -20,22 +18,13 @@ from ...runtime.media_decode import decode_image
 from ...runtime.media_fetch import fetch
 from ...runtime.service import DecisionService
 from ..answer_gate import QuestionPair
+from ..sample_media import image_url
 
 # Spec 3.8's example sizes: 640x480 (one crop), 200x100 (one upscaled crop), 1024x1024 (2x2 tiles), 2000x1000 and
 # 1920x1080 (capped to 1448x724 and 1365x768, then 2x1 tiles).
 IMAGE_SIZES = ((640, 480), (200, 100), (1024, 1024), (2000, 1000), (1920, 1080))
 STATES = [None, "The parcel arrived crushed and the customer wants a refund.", {"error": "Disk at 98%", "host": "db1"},
           "नमस्ते — एक छोटा संदेश", ["a", 1, {"b": None}], "x" * 300, "", {"tickets": list(range(40))}]
-
-
-def image_url(width: int, height: int, seed: int = 0) -> str:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), (x * 3 + y) % 256], axis=-1)
-    rgb = np.clip(rgb + rng.integers(-20, 21, rgb.shape), 0, 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(rgb).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def question_set(seed: int) -> dict[str, Any]:
@@ -127,7 +116,7 @@ def question_pairs(service: DecisionService, reference: Any, requests: list[dict
     for body in requests:
         want = torch_reads(service, reference, body)
         prepared = service.prepare(body)
-        pairs += [QuestionPair(q.id, read.probs, want[q.id].probs)
+        pairs += [QuestionPair(q.id, read.probs, want[q.id].probs, media=bool(body.get("images")))
                   for q, read in zip(prepared.questions, onnx_reads(service, prepared))]
     return pairs
 

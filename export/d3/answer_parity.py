@@ -1,6 +1,8 @@
-"""d3 answer parity: the runtime's answers against the torch model (`D3ExportConfig.reference_logits`) on each
-question's own prompt, over requests of every question type, states of every JSON kind, 1 to 29 choice options and
-2 to 10 score levels. Used by the tests (CPU) and `scripts/parity.py` (CPU or CUDA)."""
+"""d3 answer parity: the runtime's answers against the torch model (`D3ExportConfig.reference_logits_with_media`:
+transformers' whole `Qwen3_5Model`, its own vision tower included) on each question's own prompt, over requests of
+every question type, states of every JSON kind, 1 to 29 choice options and 2 to 10 score levels, and, where asked,
+images and short videos. Used by the half-precision forms' answer gate, the tests (CPU) and `scripts/parity.py`
+(CPU or CUDA)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,18 @@ import numpy as np
 
 from ...models.family import Readout
 from ...models.questions import first_argmax
-from ...runtime.d3.code_logits import text_positions
+from ...runtime.engine import Prepared
 from ...runtime.service import DecisionService
 from ..answer_gate import QuestionPair
+from ..sample_media import image_url, jpeg_video_url
 
 STATES = [None, "The parcel arrived crushed and the customer wants a refund.", {"error": "Disk at 98%", "host": "db1"},
           "नमस्ते — एक छोटा संदेश", ["a", 1, {"b": None}], "x" * 300, "Short.", {"tickets": list(range(40))}]
+# Image sizes (w, h) of the media requests; as the runtime sizes them for d3 (spec 4.9): 300 image tokens; 64, the
+# floor; 72 from a 2:1 image upscaled past the floor; 256 from a 4:1 strip.
+IMAGE_SIZES = ((640, 480), (256, 256), (200, 100), (1024, 256))
+VIDEO = (128, 96, 4)  # w, h, frames: two temporal groups of 3 x 4 merged patches, 24 video tokens
+MediaInput = tuple[np.ndarray, list[tuple[int, int, int]]]  # pixel rows and their (t, h, w) grids
 
 
 def question_set(seed: int) -> dict:
@@ -31,35 +39,72 @@ def question_set(seed: int) -> dict:
     }
 
 
-def parity_requests(count: int = 70) -> list[dict]:
-    """`count` requests of three questions each."""
-    return [{"state": STATES[i % len(STATES)], "questions": question_set(i)} for i in range(count)]
+def media(k: int, seed: int) -> dict[str, list[str]]:
+    """The `k`-th media request's images or video: every fifth a 4-frame JPEG video; the others one image of
+    `IMAGE_SIZES` in turn, the second size with a second image beside it."""
+    if k % 5 == 4:
+        return {"videos": [jpeg_video_url(*VIDEO, seed=seed)]}
+    size = IMAGE_SIZES[k % len(IMAGE_SIZES)]
+    images = [image_url(*size, seed=seed)]
+    if size == IMAGE_SIZES[1]:
+        images.append(image_url(*IMAGE_SIZES[0], seed=seed + 1))
+    return {"images": images}
 
 
-def torch_probabilities(service: DecisionService, reference: Any, body: dict) -> dict[str, list[float]]:
-    """The torch model (`D3ExportConfig.reference_logits`) on each question's own prompt, read as spec 4.13 reads."""
+def parity_requests(count: int = 70, media_every: int = 0) -> list[dict]:
+    """`count` requests of three questions each; with `media_every`, every `media_every`-th carries images or a
+    video (`media`)."""
+    requests = []
+    for i in range(count):
+        body = {"state": STATES[i % len(STATES)], "questions": question_set(i)}
+        if media_every and i % media_every == 0:
+            body.update(media(i // media_every, seed=i))
+        requests.append(body)
+    return requests
+
+
+def torch_media(prepared: Prepared) -> tuple[MediaInput | None, MediaInput | None]:
+    """A prepared request's images and videos as `reference_logits_with_media` takes them: each kind's pixel rows
+    in prompt order with their (t, h, w) grids, or None. The pixels are the runtime's own decoding and
+    preprocessing (the same in every form), so both models read the same pixels and only the graphs differ."""
+    items = prepared.media.loaded.in_order() if prepared.media is not None else []
+
+    def of_kind(kind: str) -> MediaInput | None:
+        chosen = [item for item in items if item.kind == kind]
+        return (np.concatenate([item.pixels for item in chosen]), [item.grid for item in chosen]) if chosen else None
+
+    return of_kind("image"), of_kind("video")
+
+
+def torch_probabilities(service: DecisionService, reference: Any, prepared: Prepared) -> dict[str, list[float]]:
+    """The torch model on each question's own prompt (`service.prepare(body)`), with the request's media, read as
+    spec 4.13 reads."""
     family = service.family
+    images, videos = torch_media(prepared)
     probs = {}
-    for prompt in service.render(body):
-        logits = reference.reference_logits(prompt.token_ids, text_positions(len(prompt.token_ids)))
+    for prompt in prepared.prompts:
+        logits = reference.reference_logits_with_media(prompt.token_ids, prompt.positions, images, videos)
         labels = family.labels(prompt.question, None)
         read = family.read(prompt.question, labels, Readout(dict(enumerate(logits.tolist()))))
         probs[prompt.question.id] = list(read.probs)
     return probs
 
 
-def onnx_probabilities(service: DecisionService, body: dict) -> dict[str, list[float]]:
-    """The artifact's answers through the whole runtime (one padded batch per request)."""
-    return {qid: list(a["probabilities"].values()) for qid, a in service.decide(body)["answers"].items()}
+def onnx_probabilities(service: DecisionService, prepared: Prepared) -> dict[str, list[float]]:
+    """The artifact's answers through the whole runtime (the vision graph once per media, then one padded batch)."""
+    return {qid: list(a["probabilities"].values()) for qid, a in service.answer(prepared)["answers"].items()}
 
 
 def question_pairs(service: DecisionService, reference: Any, requests: list[dict]) -> list[QuestionPair]:
-    """Each question of `requests`: the runtime's probabilities and the torch model's."""
+    """Each question of `requests`: the runtime's probabilities and the torch model's, on the same prompt and
+    media."""
     pairs = []
     for body in requests:
-        want = torch_probabilities(service, reference, body)
-        got = onnx_probabilities(service, body)
-        pairs += [QuestionPair(qid, got[qid], probs) for qid, probs in want.items()]
+        prepared = service.prepare(body)
+        want = torch_probabilities(service, reference, prepared)
+        got = onnx_probabilities(service, prepared)
+        pairs += [QuestionPair(qid, got[qid], probs, media=prepared.media is not None)
+                  for qid, probs in want.items()]
     return pairs
 
 

@@ -20,6 +20,7 @@ from ...runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
+from ..half_precision import FLOAT16_MATMULS
 from ..parity import check_parity, sample_prompts, worst_vision_sample
 from .fused_ops import TRANSLATIONS
 from .qwen3_5_text import D3TextGraph
@@ -47,6 +48,9 @@ SAMPLE_REQUEST = {"state": {"ticket": "Refund not received after 10 days", "tier
                       "mood": {"type": "score", "criteria": ["calm", "annoyed", "furious"]}}}
 RANDOM_TOKEN_IDS = 150_000  # random prompts draw from the ids every Qwen3.5 vocabulary has
 GATE_REQUESTS = 70  # three questions each: the half-precision form is gated on 210 real prompts
+# Every fifth of them carries images or a short video (42 questions), so the gate runs the form's vision graph; few
+# enough that the gate stays a few seconds on the tiny test model.
+GATE_MEDIA_EVERY = 5
 
 
 class D3ExportConfig(ExportConfig):
@@ -214,13 +218,16 @@ class D3ExportConfig(ExportConfig):
     def forms(self) -> list[HalfForm]:
         from .answer_parity import parity_requests, question_pairs
 
-        # The text graph in half precision; the vision graph stays the portable fp32 one (no answer gate covers it
-        # yet). The fused text graph runs the delta rule as onnxruntime's GatedDeltaNet node.
+        # Both graphs in half precision, each with its output in fp32: the text graph at the rung's precision (the
+        # fused text graph runs the delta rule as onnxruntime's GatedDeltaNet node); the vision graph converted from
+        # the portable one with only its matrix products in fp16 on every rung (autocast's split: its norms, softmax
+        # and residual sums keep fp32's range). The gate's media requests run it.
         text = self.graphs()[0]
         fused = replace(text, module=lambda: self.graph(fused=True), translations=TRANSLATIONS)
-        return cuda_forms({"text": tuple(TEXT_OUTPUTS)},
-                          lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)),
-                          fused={"text": fused})
+        requests = parity_requests(GATE_REQUESTS, GATE_MEDIA_EVERY)
+        return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
+                          lambda service: question_pairs(service, self, requests),
+                          fused={"text": fused}, graph_precisions={"vision": FLOAT16_MATMULS})
 
     def write_runtime_files(self, staging: Path) -> RuntimeFiles:
         bits = write_runtime_files(self.checkpoint, staging)
