@@ -144,7 +144,8 @@ class D1Workload(Workload):
         return torch.log_softmax(logits, dim=-1)[:, self.labels].cpu().numpy()
 
     def requests(self) -> dict[str, Callable[[int], dict[str, Any]]]:
-        from .export.d1.answer_parity import image_url, sixteen_questions
+        from .export.d1.answer_parity import sixteen_questions
+        from .export.sample_media import image_url
 
         image = image_url(1024, 1024, seed=7)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from systemone.export.d1.answer_parity import image_url
+from systemone.export.sample_media import image_url
 from systemone.reference_server import reference_service
 
 BODY = {"state": {"ticket": "Refund not received after 10 days", "tier": "gold"},
