@@ -205,7 +205,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .loadgen import run_load
 
         report = run_load(args.serve, args.family, tuple(args.clients), args.seconds, args.model, args.reference,
-                          **({"kinds": tuple(args.kinds)} if args.kinds else {}))
+                          tuple(args.kinds))
         if args.out:
             write_report(report, Path(args.out))
         return 0
@@ -300,6 +300,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .loadgen import ALL_KINDS, KINDS
+
     formatter = _HelpFormatter
     parser = argparse.ArgumentParser(prog="systemone", description=__doc__, formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -381,8 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most GiB each graph's CUDA arena may hold, as serve's flag")
     bench.add_argument("--no-cuda-graphs", action="store_true", help="as serve's flag")
     bench.add_argument("--out", default=None, help="also write the JSON report here (e.g. scripts/results/)")
-    from .loadgen import ALL_KINDS, KINDS
-
     load = bench.add_argument_group("load run (--serve): the seeds' request mix, N clients in a closed loop")
     load.add_argument("--serve", metavar="URL", help="POST endpoint of a running server, e.g. "
                       "http://127.0.0.1:8000/v1/systemone")
@@ -391,9 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64], help="closed-loop client counts")
     load.add_argument("--seconds", type=float, default=30.0, help="seconds per client count")
     load.add_argument("--model", default=None, help="the model name to send (default: none, the served one)")
-    load.add_argument("--kinds", nargs="+", default=None, choices=ALL_KINDS,
-                      help="request kinds in rotation (default: the seeds' mix, " + " ".join(KINDS) + "; text1: a "
-                           "text state with one question)")
+    load.add_argument("--kinds", nargs="+", default=list(KINDS), choices=ALL_KINDS,
+                      help="request kinds in rotation (default: the seeds' mix; text1: a text state with one "
+                           "question)")
     bench.set_defaults(func=cmd_bench)
 
     for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),

@@ -25,6 +25,7 @@ from ..short_conv import shifted_conv
 from .delta_rule import chunk_gated_delta_rule
 from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm
 
+
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     # Divided by the root rather than times its reciprocal: the pattern onnxruntime fuses into one
     # SimplifiedLayerNormalization kernel (fp32 accumulation, one launch instead of six).

@@ -14,10 +14,10 @@ from ...models.questions import Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
 from ..batch import BatchBudget, MediaRows, TextRow
+from ..cuda_graphs import CaptureBuckets
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
-from ..cuda_graphs import CaptureBuckets
 from ..session import GraphSession
 from .code_logits import CodeLogitsRunner, text_positions
 from .media import D3MediaEncoder, Preprocessed
