@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .half_precision import FLOAT16, FLOAT16_MATMULS, Precision
+from .half_precision import FLOAT16, FLOAT16_MATMULS, FLOAT16_MIXED, Precision
 
 
 class ParityError(RuntimeError):
@@ -94,12 +94,15 @@ def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any],
                fused: dict[str, GraphSpec] | None = None,
                graph_precisions: dict[str, Precision] | None = None) -> list[HalfForm]:
     """The CUDA forms, fastest first: export writes the first whose answers pass the gate (export/forms.py).
-    With `fused` (graphs written with onnxruntime's fused contrib ops: no control flow), `cuda-fused` comes first:
-    those graphs with fp16 matrix products. Then every node in fp16 (the decay and recurrence aside); then fp16
-    matrix products on an fp32 residual stream, norms and softmax, as torch's autocast runs, which round less.
-    `graph_precisions` holds a graph at one precision on every rung."""
-    ladder = [("cuda-fused-fp16", FLOAT16, fused), ("cuda-fused", FLOAT16_MATMULS, fused)] if fused else []
-    ladder += [("cuda-fp16", FLOAT16, None), ("cuda-fp16-matmuls", FLOAT16_MATMULS, None)]
+    With `fused` (graphs written with onnxruntime's fused contrib ops: no control flow) the fused graphs come first,
+    then the portable graph rewritten. Each at three precisions, fastest first (half_precision.py): every node in
+    fp16 (the decay and recurrence aside); autocast's mixed precision; fp16 matrix products on an fp32 residual
+    stream, norms and elementwise ops, which rounds least. `graph_precisions` holds a graph at one precision on
+    every rung."""
+    ladder = [("cuda-fused-fp16", FLOAT16, fused), ("cuda-fused-mixed", FLOAT16_MIXED, fused),
+              ("cuda-fused", FLOAT16_MATMULS, fused)] if fused else []
+    ladder += [("cuda-fp16", FLOAT16, None), ("cuda-mixed", FLOAT16_MIXED, None),
+               ("cuda-fp16-matmuls", FLOAT16_MATMULS, None)]
     return [HalfForm(name, ("cuda",), graphs, answer_pairs, precision, sources=sources or {},
                      graph_precisions=graph_precisions or {}) for name, precision, sources in ladder]
 

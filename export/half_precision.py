@@ -3,12 +3,17 @@
 
 - `FLOAT16`: every node in fp16 except what fp16 would spoil: the Gated DeltaNet decay (Softplus, Exp, CumSum) and
   its recurrence (the Scan loop and the state it carries).
+- `FLOAT16_MIXED`: torch's autocast, node by node: the matrix products (and the embedding lookup and short
+  convolution) in fp16, and the elementwise and layout ops that follow them in fp16 while every float they read is
+  fp16 (autocast's type promotion): an MLP's gate and product stay fp16, while the residual stream, the norms and
+  their weights, softmax and whatever reads an fp32 value stay fp32.
 - `FLOAT16_MATMULS`: only the matrix products (and the embedding table's lookup) in fp16; norms, softmax, the
-  residual stream and every other elementwise op stay fp32, as torch's autocast runs a model.
+  residual stream and every other elementwise op stay fp32.
 
-At both, the graph's inputs and outputs stay fp32 (the runtime and the state it carries), and so does the readout
-(d3's code logits, d1's LM head and log-softmax): every node from a declared output back to the first MatMul, so
-the logits the read compares are never rounded to 10 bits.
+At every precision the graph's inputs and outputs stay fp32 (the runtime and the state it carries), and so do the
+readout (d3's code logits, d1's LM head and log-softmax: every node from a declared output back to the first
+MatMul, so the logits the read compares are never rounded to 10 bits) and the rotary angles (position times
+frequency: fp16 keeps 11 bits, half a radian at position 1000, before its cosine and sine).
 
 onnxruntime's own float16 converter does the rewrite (it inserts the casts at every fp32/fp16 border); this module
 says what to keep and removes the round trips the converter leaves between kept nodes.
@@ -20,6 +25,8 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 # Kept fp32 wherever they appear: the decay's and the recurrence's ops, and what the converter itself keeps.
 # GatedDeltaNet (the fused form's delta rule) is written with its own casts: fp16 query/key/value, fp32 decay, beta
 # and state.
@@ -29,21 +36,67 @@ FP32_OPS = ("Scan", "Loop", "If", "Softplus", "Exp", "CumSum", "Range", "Trilu",
 @dataclass(frozen=True)
 class Precision:
     """Which nodes a half-precision form runs in fp16: every node but `FP32_OPS` (and the converter's own list),
-    or, with `half_ops`, only nodes of those types (a Gather only when it reads a weight: the embedding table)."""
+    or, with `half_ops`, nodes of those types (a Gather only when it reads a weight: the embedding table) and nodes
+    of `follow_ops` whose float inputs are all fp16 (a scalar constant aside)."""
 
     name: str
     half_ops: frozenset[str] | None = None
+    follow_ops: frozenset[str] = frozenset()
 
-    def halves(self, node, weights: Collection[str], blocked_ops: Collection[str]) -> bool:
+    def half_nodes(self, graph, blocked_ops: Collection[str]) -> set[str]:
+        """Names of the nodes of `graph` (topologically ordered, as ONNX requires) this precision runs in fp16."""
+        import onnx
+
+        float32 = onnx.TensorProto.FLOAT
+        weights = {t.name: t for t in graph.initializer if t.data_type == float32}
         if self.half_ops is None:
-            return node.op_type not in blocked_ops
-        if node.op_type == "Gather":
-            return "Gather" in self.half_ops and node.input[0] in weights
-        return node.op_type in self.half_ops
+            return {node.name for node in graph.node if node.op_type not in blocked_ops}
+        values = [*graph.input, *graph.value_info, *graph.output]
+        floats = {v.name for v in values if v.type.tensor_type.elem_type == float32}
+        scalars = {name for name, t in weights.items() if int(np.prod(t.dims)) <= 1}
+        floats |= set(weights) - scalars
+        half: set[str] = set()
+        half_values: set[str] = set()
+        for node in graph.node:
+            if node.op_type == "Gather":
+                halved = "Gather" in self.half_ops and node.input[0] in weights
+            elif node.op_type == "Cast":  # an fp16 value cast to fp16 (a fused op's input): no round trip
+                halved = node.input[0] in half_values and _is_cast(node, onnx.TensorProto.FLOAT16)
+            elif node.op_type in self.half_ops:
+                halved = True
+            elif node.op_type in self.follow_ops:
+                read = [name for name in node.input if name in floats or name in half_values]
+                halved = bool(read) and all(name in half_values for name in read)
+            else:
+                halved = False
+            if halved:
+                half.add(node.name)
+                half_values.update(name for name in node.output if name in floats)
+        return half
 
 
 FLOAT16 = Precision("float16")
+# Elementwise and layout ops autocast leaves in the dtype of their inputs (its fp32 list: pow, the reductions,
+# softmax, exp and the like, is not here).
+_FOLLOWERS = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Sigmoid", "Tanh", "Relu", "Where", "Identity", "Reshape",
+                        "Transpose", "Split", "Slice", "Concat", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
+FLOAT16_MIXED = Precision("float16-mixed", frozenset({"MatMul", "Gemm", "Gather", "CausalConvWithState"}), _FOLLOWERS)
 FLOAT16_MATMULS = Precision("float16-matmuls", frozenset({"MatMul", "Gemm", "Gather"}))
+
+
+def rotary_angles(graph) -> set[str]:
+    """Names of the graph's Cos and Sin nodes and of the nodes that compute their arguments (the rotary angles),
+    back to the graph's inputs."""
+    producer = {out: node for node in graph.node for out in node.output}
+    trig = [node for node in graph.node if node.op_type in ("Cos", "Sin")]
+    stack = [name for node in trig for name in node.input]
+    found = {node.name for node in trig}
+    while stack:
+        node = producer.get(stack.pop())
+        if node is not None and node.name not in found:
+            found.add(node.name)
+            stack.extend(name for name in node.input if name)
+    return found
 
 
 def readout_tail(graph, outputs: Iterable[str]) -> set[str]:
@@ -142,7 +195,8 @@ def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], pre
     keep = readout_tail(model.graph, fp32_outputs)
     blocked_ops = {*DEFAULT_OP_BLOCK_LIST, *FP32_OPS}
     weights = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
-    kept = keep | {node.name for node in model.graph.node if not precision.halves(node, weights, blocked_ops)}
+    halved = precision.half_nodes(model.graph, blocked_ops) - rotary_angles(model.graph)
+    kept = keep | {node.name for node in model.graph.node if node.name not in halved}
     fp32_weights = {}  # the readout's weights, as they were: the converter would store them in fp16
     for node in model.graph.node:
         for name in node.input if node.name in keep else ():

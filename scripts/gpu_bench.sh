@@ -6,7 +6,7 @@
 #   bash scripts/gpu_bench.sh forms SIZE MODE [FORMS]   add the CUDA forms, their answer gates run on CUDA
 #   bash scripts/gpu_bench.sh precision SIZE MODE       how far torch's own half precisions are from fp32, on the
 #                                                       gate's questions
-#   bash scripts/gpu_bench.sh bench SIZE MODE [FORMS]   `systemone bench` on CUDA and onnxruntime's profile
+#   bash scripts/gpu_bench.sh bench SIZE MODE [FORMS]   `systemone bench` on CUDA, onnxruntime's and the GPU's profile
 # FORMS: comma-separated form names (default: every one the family declares / the artifact has for CUDA).
 set -euo pipefail
 step="$1"; size="$2"; mode="$3"; forms="${4:-}"
@@ -38,9 +38,14 @@ precision)
     --out "$out/torch_precision_${size}_${mode}.json" 2>&1 | quiet
   ;;
 bench)
-  for batch in $(case "$size" in d1*) ;; *) echo 1 8 ;; esac); do  # d3: the profile of the form serve takes
-    python3 "$repo/scripts/ort_profile.py" "$work/artifact" --device cuda --batch $batch --length 200 \
-      --out "$out/profile_${size}_${mode}_b${batch}x200.json" 2>&1 | tail -12
+  # d3: onnxruntime's and the GPU's own profile of the form serve takes (a failed profile does not stop the bench)
+  for shape in $(case "$size" in d1*) ;; *) echo 1x200 32x200 8x1000 ;; esac); do
+    python3 "$repo/scripts/ort_profile.py" "$work/artifact" --device cuda --batch ${shape%x*} --length ${shape#*x} \
+      --gpu-kernels --out "$out/profile_${size}_${mode}_b${shape}.json" > /dev/null 2> "$out/profile_${shape}.log" \
+      || tail -3 "$out/profile_${shape}.log"
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); k=r.get('gpu_kernels',{}); \
+print(sys.argv[2], r['form'], 'gpu ms/run', round(k.get('gpu_ms_per_run',0),2), 'kernels/run', k.get('kernels_per_run'), \
+{f: round(v['ms'],2) for f,v in k.get('by_family',{}).items()})" "$out/profile_${size}_${mode}_b${shape}.json" $shape || true
   done
   python3 -m systemone.cli bench "$work/checkpoint" --artifact "$work/artifact" --device cuda \
     ${forms:+--forms ${forms//,/ }} --out "$out/bench_${size}_${mode}.json" 2>&1 | quiet | grep -v '^ \|^{\|^}'

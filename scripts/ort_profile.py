@@ -1,10 +1,12 @@
 """onnxruntime's own profile of an artifact's text graph on one token batch: node time by operator type (after one
 warm-up run), and the nodes placed outside the asked-for provider. Answers "where does the graph's time go" before
 optimising. On CUDA a node's time is the host's time in its compute call (launches are asynchronous), so the shares
-say where launch-bound runs spend the host's time, not the GPU's.
+say where launch-bound runs spend the host's time, not the GPU's; with `--gpu-kernels` (CUDA, torch installed: a
+profiling tool, not the runtime) CUPTI records every kernel the same runs launch, through torch's profiler, and the
+report adds the GPU's own time by kernel family and the kernels that take most of it.
 
     python scripts/ort_profile.py ARTIFACT [--device cuda] [--form auto] [--batch 8] [--length 200] [--runs 5]
-        [--out F]
+        [--gpu-kernels] [--out F]
 """
 
 from __future__ import annotations
@@ -13,9 +15,56 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+
+# Kernel families by name (cuBLAS/CUTLASS names vary by GPU and library version; the rest are onnxruntime's own).
+KERNEL_FAMILIES = (("matrix products", ("gemm", "cutlass", "xmma", "cublas", "sm90", "sm80")),
+                   ("casts", ("cast",)),
+                   ("normalisation", ("layernorm", "layer_norm", "rmsnorm", "simplified")),
+                   ("softmax", ("softmax",)),
+                   ("delta rule", ("gated_delta", "gateddelta", "delta")),
+                   ("convolution", ("conv",)),
+                   ("reductions", ("reduce",)),
+                   ("copies and layout", ("transpose", "copy", "concat", "slice", "split", "gather", "scatter",
+                                          "pad", "expand", "where", "memcpy", "memset")),
+                   ("elementwise", ("elementwise", "binary", "unary", "mul", "add", "sigmoid", "gelu", "silu",
+                                    "sqrt", "pow", "div", "sub", "neg", "exp")))
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    return next((family for family, marks in KERNEL_FAMILIES if any(m in lowered for m in marks)), "other")
+
+
+def gpu_kernel_times(run: Callable[[], None], runs: int) -> dict:
+    """GPU time per run of the kernels `run` launches (CUPTI through torch's profiler), by family and top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            run()
+        torch.cuda.synchronize()
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_kernel[event.name][0] += event.device_time / 1000.0 / runs  # microseconds -> ms per run
+            by_kernel[event.name][1] += 1
+    total = sum(ms for ms, _ in by_kernel.values())
+    families: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in by_kernel.items():
+        families[kernel_family(name)] += ms
+    top = sorted(by_kernel.items(), key=lambda item: -item[1][0])[:30]
+    return {"gpu_ms_per_run": total,
+            "kernels_per_run": sum(count for _, count in by_kernel.values()) / runs,
+            "by_family": {f: {"ms": ms, "share": ms / total if total else 0.0}
+                          for f, ms in sorted(families.items(), key=lambda x: -x[1])},
+            "top_kernels": [{"name": name[:160], "ms": ms, "launches_per_run": count / runs}
+                            for name, (ms, count) in top]}
 
 
 def main() -> None:
@@ -33,6 +82,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=200)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--gpu-kernels", action="store_true", help="also the GPU's own kernel times (CUDA, torch)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -74,6 +124,12 @@ def main() -> None:
               "kernel_ms_per_run": total,
               "by_op": {op: {"ms": ms, "share": ms / total} for op, ms in sorted(by_op.items(), key=lambda x: -x[1])},
               "ops_by_provider": {p: sorted(ops) for p, ops in providers_seen.items()}}
+    if args.gpu_kernels:
+        options.enable_profiling = False
+        plain = ort.InferenceSession(str(artifact.graph_path("text")), options,
+                                     providers=[(p, provider_options(p, None)) for p in providers])
+        plain.run(None, feeds)  # the shapes' allocations and library set-up, outside the record
+        report["gpu_kernels"] = gpu_kernel_times(lambda: plain.run(None, feeds), args.runs)
     print(json.dumps(report, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))

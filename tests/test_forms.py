@@ -214,7 +214,7 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
     shutil.copytree(d3_artifact, out)
     manifest = add_forms(str(d3_checkpoint), out)
     err = capsys.readouterr().err
-    refused_names = ["cuda-fused-fp16", "cuda-fused", "cuda-fp16"]
+    refused_names = ["cuda-fused-fp16", "cuda-fused-mixed", "cuda-fused", "cuda-fp16", "cuda-mixed"]
     assert list(manifest.forms) == [*refused_names, "cuda-fp16-matmuls"]
     for name in refused_names:
         assert f"the {name} form is not written: answers disagree with the torch fp32 model over 210 questions: " \
@@ -223,7 +223,7 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
         assert refused.refused.startswith("answers disagree") and refused.graphs == {}
         for file in form_files(name).values():
             assert not (out / file).exists() and not (out / f"{file}.data").exists()
-    assert len(exports) == 1  # the fused graph is exported once for both fused forms
+    assert len(exports) == 1  # the fused graph is exported once for the three fused forms
     assert sorted(path.name for path in out.glob("*.float32.onnx*")) == []  # the fused fp32 export is removed
     written = manifest.forms["cuda-fp16-matmuls"]
     assert written.refused is None and written.gate["max_abs_dp"] <= 0.02
@@ -235,6 +235,58 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
     # Only the matrix products and the embedding lookup are fp16: norms, softmax and the residual stream stay fp32.
     half = onnx.load(str(out / "text.cuda-fp16-matmuls.onnx"), load_external_data=False)
     assert fp16_producers(half) == {"MatMul", "Gather", "Cast"}
+
+
+def half_value_producers(graph) -> dict[str, str]:
+    """Each value's producing node type, for the fp16 values of `graph`."""
+    fp16_values = {v.name for v in graph.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
+    return {o: n.op_type for n in graph.node for o in n.output if o in fp16_values}
+
+
+@pytest.mark.parametrize("precision", ["float16", "float16-mixed", "float16-matmuls"])
+def test_every_precision_keeps_the_rotary_angles_in_fp32(d3_artifact, tmp_path, precision):
+    """Position times frequency is rounded to fp16 nowhere: at position 1000 fp16 is half a radian off."""
+    from systemone.export import half_precision
+    from systemone.export.half_precision import convert_to_half, rotary_angles
+
+    chosen = next(p for p in vars(half_precision).values()
+                  if isinstance(p, half_precision.Precision) and p.name == precision)
+    convert_to_half(d3_artifact / "text.onnx", tmp_path / "half.onnx", ["code_logits"], chosen)
+    half = onnx.load(str(tmp_path / "half.onnx"), load_external_data=False).graph
+    angles = rotary_angles(half)
+    assert len(angles) >= 3  # the positions' cast, the product with the frequencies, the channel pick
+    fp16 = half_value_producers(half)
+    assert not [n.name for n in half.node if n.name in angles and any(o in fp16 for o in n.output)]
+    assert [n for n in half.node if n.op_type in ("Cos", "Sin") and any(o in fp16 for o in n.output)] == []
+
+
+def test_the_mixed_precision_runs_as_torch_autocast(d3_artifact, tmp_path):
+    """fp16 where autocast computes in fp16 (the matrix products, and what follows them on fp16 values alone: the
+    MLP's SiLU gate and product), fp32 where it computes in fp32 (the norms, softmax) or promotes (the residual
+    sums, which read the fp32 stream)."""
+    from systemone.export.half_precision import FLOAT16_MIXED, convert_to_half
+
+    convert_to_half(d3_artifact / "text.onnx", tmp_path / "half.onnx", ["code_logits"], FLOAT16_MIXED)
+    half = onnx.load(str(tmp_path / "half.onnx"), load_external_data=False).graph
+    fp16 = half_value_producers(half)
+    producer = {o: n for n in half.node for o in n.output}
+    assert {"MatMul", "Sigmoid", "Mul", "Reshape"} <= set(fp16.values())
+    assert not {"Pow", "ReduceMean", "Sqrt", "Softmax", "ScatterND"} & set(fp16.values())
+    # The MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), every node from the two products to the third in fp16.
+    products = [n for n in half.node if n.op_type == "Mul" and all(
+        producer.get(i) is not None and producer[i].op_type in ("Mul", "MatMul") for i in n.input)
+        and {producer[i].op_type for i in n.input} == {"Mul", "MatMul"}]
+    assert products and all(n.output[0] in fp16 for n in products)
+    # The residual stream: each norm's first op (x squared) reads an fp32 sum of the stream and a block's output.
+    squares = [n for n in half.node if n.op_type == "Pow"]
+    assert squares and all(n.input[0] not in fp16 for n in squares)
+
+    def made_by(value: str) -> str:
+        while producer[value].op_type == "Identity":  # the converter's renamed fp32 value, joined back
+            value = producer[value].input[0]
+        return producer[value].op_type
+
+    assert sum(made_by(n.input[0]) == "Add" for n in squares) >= 4
 
 
 def test_a_form_onnxruntime_cannot_run_is_refused_and_the_next_one_is_tried(d3_checkpoint, d3_artifact, tmp_path,
