@@ -47,7 +47,7 @@ class Precision:
         """Names of the nodes of `graph` (topologically ordered, as ONNX requires) this precision runs in fp16."""
         import onnx
 
-        float32 = onnx.TensorProto.FLOAT
+        float32, float16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
         weights = {t.name: t for t in graph.initializer if t.data_type == float32}
         if self.half_ops is None:
             return {node.name for node in graph.node if node.op_type not in blocked_ops}
@@ -56,12 +56,15 @@ class Precision:
         scalars = {name for name, t in weights.items() if int(np.prod(t.dims)) <= 1}
         floats |= set(weights) - scalars
         half: set[str] = set()
-        half_values: set[str] = set()
+        # fp16 already in the exported graph: the fused ops' fp16 operands and results.
+        half_values = {v.name for v in values if v.type.tensor_type.elem_type == float16}
         for node in graph.node:
             if node.op_type == "Gather":
                 halved = "Gather" in self.half_ops and node.input[0] in weights
-            elif node.op_type == "Cast":  # an fp16 value cast to fp16 (a fused op's input): no round trip
-                halved = node.input[0] in half_values and _is_cast(node, onnx.TensorProto.FLOAT16)
+            elif node.op_type == "Cast":
+                # A cast of an fp16 value to fp16 (a fused op's input) runs as fp16 -> fp16, and so, where casts
+                # follow (autocast), does one back to fp32 after a fused op: no round trip where fp16 is next.
+                halved = node.input[0] in half_values and (_is_cast(node, float16) or "Cast" in self.follow_ops)
             elif node.op_type in self.half_ops:
                 halved = True
             elif node.op_type in self.follow_ops:
@@ -72,15 +75,22 @@ class Precision:
             if halved:
                 half.add(node.name)
                 half_values.update(name for name in node.output if name in floats)
+            if _is_cast(node, float16) or (node.op_type in _RESULT_TYPED_BY_QUERY and node.input[0] in half_values):
+                half_values.add(node.output[0])  # fp16 whatever the converter does (the export may not type it)
         return half
 
 
+# Kept-fp32 ops whose result has their first input's type (GatedDeltaNet: its output is T, the query's).
+_RESULT_TYPED_BY_QUERY = frozenset({"GatedDeltaNet"})
 FLOAT16 = Precision("float16")
 # Elementwise and layout ops autocast leaves in the dtype of their inputs (its fp32 list: pow, the reductions,
 # softmax, exp and the like, is not here).
 _FOLLOWERS = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Sigmoid", "Tanh", "Relu", "Where", "Identity", "Reshape",
-                        "Transpose", "Split", "Slice", "Concat", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
-FLOAT16_MIXED = Precision("float16-mixed", frozenset({"MatMul", "Gemm", "Gather", "CausalConvWithState"}), _FOLLOWERS)
+                        "Transpose", "Split", "Slice", "Concat", "Squeeze", "Unsqueeze", "Expand", "Flatten", "Cast"})
+# The fused ops with fp16 kernels that compute in fp32 inside (their input and output rounding is the products'):
+# the short convolution, and the gated norm between the delta rule's fp16 output and the out projection.
+FLOAT16_MIXED = Precision("float16-mixed", frozenset({"MatMul", "Gemm", "Gather", "CausalConvWithState",
+                                                      "GatedRMSNorm"}), _FOLLOWERS)
 FLOAT16_MATMULS = Precision("float16-matmuls", frozenset({"MatMul", "Gemm", "Gather"}))
 
 

@@ -83,6 +83,16 @@ class DecisionService:
         return self.artifact.form
 
     @property
+    def captures(self) -> bool:
+        """Whether the text graph's small runs replay captured CUDA graphs."""
+        return self.engine.session.captured is not None
+
+    @property
+    def cuda_graphs(self) -> str:
+        """What the text graph captured, or why it did not (`serve` prints it)."""
+        return self.engine.session.describe_capture()
+
+    @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 

@@ -7,6 +7,7 @@
 #   bash scripts/gpu_bench.sh precision SIZE MODE       how far torch's own half precisions are from fp32, on the
 #                                                       gate's questions
 #   bash scripts/gpu_bench.sh bench SIZE MODE [FORMS]   `systemone bench` on CUDA, onnxruntime's and the GPU's profile
+#                                                       and (d3) the media requests' stages
 # FORMS: comma-separated form names (default: every one the family declares / the artifact has for CUDA).
 set -euo pipefail
 step="$1"; size="$2"; mode="$3"; forms="${4:-}"
@@ -47,6 +48,11 @@ bench)
 print(sys.argv[2], r['form'], 'gpu ms/run', round(k.get('gpu_ms_per_run',0),2), 'kernels/run', k.get('kernels_per_run'), \
 {f: round(v['ms'],2) for f,v in k.get('by_family',{}).items()})" "$out/profile_${size}_${mode}_b${shape}.json" $shape || true
   done
+  case "$size" in d1*) ;; *)  # where one image and one video request of the seeds' mix spend their time
+    python3 "$repo/scripts/media_timing.py" "$work/artifact" --device cuda --repeats 5 \
+      > "$out/media_timing_${size}_${mode}.txt" 2> /dev/null && cat "$out/media_timing_${size}_${mode}.txt" \
+      || echo "media timing failed" ;;
+  esac
   python3 -m systemone.cli bench "$work/checkpoint" --artifact "$work/artifact" --device cuda \
     ${forms:+--forms ${forms//,/ }} --out "$out/bench_${size}_${mode}.json" 2>&1 | quiet | grep -v '^ \|^{\|^}'
   ;;

@@ -178,7 +178,7 @@ def bench_form(work: Workload, token_batches: dict[tuple[int, int], np.ndarray],
                request_repeats: int, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[tuple[int, int], Any]]:
     """One form's token batches and whole requests; its report and its outputs per batch."""
     service = work.service
-    label = service.form if service.engine.session.captured is None else f"{service.form} (cuda graphs)"
+    label = f"{service.form} (cuda graphs)" if service.captures else service.form
     report: dict[str, Any] = {"provider": service.provider, "graph_bytes": form_bytes(service.artifact),
                               "batches": [], "requests": {}}
     outputs: dict[tuple[int, int], np.ndarray] = {}
@@ -244,8 +244,8 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
         form_report, outputs[name] = bench_form(work, token_batches, repeats, request_repeats, log)
         serving = gpu_used_mib()
         form_report["gpu_memory_serving_mib"] = None if serving is None or before is None else serving - before
-        form_report["cuda_graphs"] = service.engine.session.describe_capture()
-        if service.engine.session.captured is not None:
+        form_report["cuda_graphs"] = service.cuda_graphs
+        if service.captures:
             queue.insert(0, (form, False))
         report["forms"][name] = form_report
         del service

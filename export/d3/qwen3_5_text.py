@@ -98,7 +98,8 @@ class FullAttentionLayer(nn.Module):
         groups = hf.num_key_value_groups
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-        scores = (query @ key.transpose(-1, -2)) * hf.scaling + additive_mask
+        # The scale on the query [B, H, L, D] rather than on the scores [B, H, L, L]: L / D times fewer products.
+        scores = (query * hf.scaling) @ key.transpose(-1, -2) + additive_mask
         probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
         out = (probs @ value).transpose(1, 2).reshape(batch, length, -1)
         return hf.o_proj(out * torch.sigmoid(gate))
