@@ -6,8 +6,9 @@ first) and only until one is written: an artifact holds at most one form per pro
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from ..runtime.artifact import FormEntry, Manifest
 from .answer_gate import gate_answers
 from .config import ExportConfig, GraphSpec, HalfForm, ParityError
 from .graph_export import export_graph
-from .half_precision import convert_to_half
+from .half_precision import Precision, convert_to_half
 
 HALF_DTYPE = "float16"
 
@@ -51,6 +52,43 @@ class _FormSources:
         remove_form_files(self.staging, {str(key): path.name for key, path in self.paths.items()})
 
 
+class _Conversions:
+    """Each (source graph, precision) converted once per ladder: a later rung that converts the same graph at the
+    same precision (d3's vision graph: fp16 products on every rung) takes a linked copy of the first conversion,
+    which is kept aside until the forms are written."""
+
+    def __init__(self, staging: Path):
+        self.staging = staging
+        self.kept: dict[tuple[str, str, tuple[str, ...]], Path] = {}
+
+    def convert(self, source: Path, target: Path, outputs: Sequence[str], precision: Precision) -> None:
+        key = (str(source), precision.name, tuple(outputs))
+        kept = self.kept.get(key)
+        if kept is None:
+            convert_to_half(source, target, outputs, precision)
+            kept = self.staging / f"{target.stem}.kept{len(self.kept)}.onnx"
+            _link_graph(target, kept)
+            self.kept[key] = kept
+        else:
+            _link_graph(kept, target)
+
+    def remove(self) -> None:
+        remove_form_files(self.staging, {str(i): path.name for i, path in enumerate(self.kept.values())})
+
+
+def _link_graph(source: Path, target: Path) -> None:
+    """`source` (a graph with its weights in `source.name + '.data'`) as `target`, its weights linked, not copied."""
+    import onnx
+
+    model = onnx.load(str(source), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = f"{target.name}.data"
+    onnx.save(model, str(target))
+    os.link(source.with_name(f"{source.name}.data"), target.with_name(f"{target.name}.data"))
+
+
 def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str) -> dict[str, Any]:
     """The runtime on `form` (staged artifact, `device`) against the torch fp32 model on the form's questions."""
     from ..runtime.artifact import Artifact
@@ -73,7 +111,7 @@ def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, mani
     """Each of `forms` (the config's) written and gated in `staging`, but none after a written one for the same
     providers; the manifest that records them (written)."""
     written: set[tuple[str, ...]] = set()
-    sources = _FormSources(staging, progress)
+    sources, conversions = _FormSources(staging, progress), _Conversions(staging)
     try:
         for form in forms:
             if form.providers in written:
@@ -86,8 +124,9 @@ def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, mani
             for graph, outputs in form.graphs.items():
                 spec = form.sources.get(graph)
                 source = staging / manifest.graphs[graph].file if spec is None else sources.path(graph, spec)
-                convert_to_half(source, staging / files[graph], outputs, form.precision_of(graph))
-            entry = FormEntry(HALF_DTYPE, list(form.providers), files)
+                conversions.convert(source, staging / files[graph], outputs, form.precision_of(graph))
+            entry = FormEntry(HALF_DTYPE, list(form.providers), files,
+                              precisions={graph: form.precision_of(graph).name for graph in form.graphs})
             replace(manifest, forms={**manifest.forms, form.name: entry}).write(staging)
             progress(f"checking the {form.name} form's answers against the torch fp32 model on {device}")
             try:
@@ -102,5 +141,6 @@ def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, mani
             manifest = replace(manifest, forms={**manifest.forms, form.name: entry})
     finally:
         sources.remove()
+        conversions.remove()
     manifest.write(staging)
     return manifest

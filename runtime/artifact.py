@@ -42,18 +42,20 @@ class GraphEntry:
 @dataclass(frozen=True)
 class FormEntry:
     """Another form of the artifact's graphs beside the portable fp32 one (docs/artifact.md): its dtype, the
-    providers it is for, its files by graph name (a graph it does not rewrite is the portable file) and its
-    parity gate's figures; or why export refused it (`refused`, and no files)."""
+    providers it is for, its files by graph name (a graph it does not rewrite is the portable file), each rewritten
+    graph's precision (which nodes run in that dtype) and its parity gate's figures; or why export refused it
+    (`refused`, and no files)."""
 
     dtype: str
     providers: list[str]
     graphs: dict[str, str] = field(default_factory=dict)
     gate: dict[str, Any] = field(default_factory=dict)
     refused: str | None = None
+    precisions: dict[str, str] = field(default_factory=dict)  # empty in manifests written before it was recorded
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "providers": self.providers, "graphs": self.graphs,
-                               "gate": self.gate}
+                               "precisions": self.precisions, "gate": self.gate}
         if self.refused is not None:
             out["refused"] = self.refused
         return out

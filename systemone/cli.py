@@ -139,13 +139,16 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
     manifest = service.artifact.manifest
     aliases = f" (also answers to {', '.join(service.aliases)})" if service.aliases else ""
     form = service.form
-    precision = (f"{form} form ({manifest.forms[form].dtype}, readout float32; gate: "
-                 f"{manifest.forms[form].gate.get('summary', '-')})" if form in manifest.forms
-                 else f"portable form ({', '.join(sorted({g.dtype for g in manifest.graphs.values()}))})")
+    if form in manifest.forms:
+        entry = manifest.forms[form]
+        graphs = ", ".join(f"{graph} {name}" for graph, name in entry.precisions.items()) or entry.dtype
+        precision = f"{form} form ({graphs}, readout float32; gate: {entry.gate.get('summary', '-')})"
+    else:
+        precision = f"portable form ({', '.join(sorted({g.dtype for g in manifest.graphs.values()}))})"
     for key, value in (("model", ", ".join(service.served_model_names) + aliases),
                        ("artifact", f"{args.artifact} (family {manifest.family}, source {manifest.source})"),
                        ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),
-                       ("cuda graphs", service.engine.session.describe_capture()),
+                       ("cuda graphs", service.cuda_graphs),
                        ("max model len", str(service.max_model_len)),
                        ("address", f"http://{args.host}:{args.port}/v1/systemone")):
         print(f"systemone serve: {key:<13} {value}", flush=True)

@@ -39,6 +39,8 @@ def test_export_writes_a_gated_half_precision_form(family, request):
     form = manifest["forms"][FORM[family]]
     assert form["dtype"] == "float16" and form["providers"] == ["cuda"] and "refused" not in form
     assert form["graphs"] == form_files(FORM[family], family)
+    # Which nodes each rewritten graph runs in fp16 (d3's vision graph: its matrix products only, on every rung).
+    assert form["precisions"] == {"text": "float16", **({"vision": "float16-matmuls"} if family == "d3" else {})}
     assert all((artifact / file).is_file() for file in form["graphs"].values())
     # The forms after it on the ladder are not needed: one form per provider set.
     assert [name for name in manifest["forms"] if name != FORM[family]] == []
@@ -206,10 +208,13 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
         for form in real(self)])
     import systemone.export.forms as forms_module
 
-    exports = []
-    real_export = forms_module.export_graph
+    exports, conversions = [], []
+    real_export, real_convert = forms_module.export_graph, forms_module.convert_to_half
     monkeypatch.setattr(forms_module, "export_graph",
                         lambda spec, path: exports.append(path) or real_export(spec, path))
+    monkeypatch.setattr(forms_module, "convert_to_half", lambda source, target, outputs, precision: (
+        conversions.append((target.name.split(".")[0], precision.name)), real_convert(source, target, outputs,
+                                                                                      precision)))
     out = tmp_path / "art"
     shutil.copytree(d3_artifact, out)
     manifest = add_forms(str(d3_checkpoint), out)
@@ -225,6 +230,11 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
             assert not (out / file).exists() and not (out / f"{file}.data").exists()
     assert len(exports) == 1  # the fused graph is exported once for the three fused forms
     assert sorted(path.name for path in out.glob("*.float32.onnx*")) == []  # the fused fp32 export is removed
+    # The vision graph, at one precision on every rung, is converted once; each rung links to that conversion.
+    assert conversions.count(("vision", "float16-matmuls")) == 1
+    assert [c for c in conversions if c[0] == "text"] == [("text", p) for p in ("float16", "float16-mixed",
+                                                                                 "float16-matmuls") * 2]
+    assert sorted(path.name for path in out.glob("*.kept*")) == []
     written = manifest.forms["cuda-fp16-matmuls"]
     assert written.refused is None and written.gate["max_abs_dp"] <= 0.02
     assert written.graphs == form_files("cuda-fp16-matmuls")
@@ -287,6 +297,29 @@ def test_the_mixed_precision_runs_as_torch_autocast(d3_artifact, tmp_path):
         return producer[value].op_type
 
     assert sum(made_by(n.input[0]) == "Add" for n in squares) >= 4
+
+
+def test_the_mixed_fused_form_keeps_the_delta_rules_output_in_fp16_through_the_gated_norm(d3_checkpoint, d3_artifact,
+                                                                                          tmp_path):
+    """The delta rule's fp16 output reaches the out projection without a round trip through fp32: `GatedRMSNorm`
+    (fp32 arithmetic inside its kernel) reads it, its gate and its weight in fp16 and writes fp16."""
+    out = tmp_path / "art"
+    shutil.copytree(d3_artifact, out)
+    manifest = add_forms(str(d3_checkpoint), out, forms=["cuda-fused-mixed"])
+    assert manifest.forms["cuda-fused-mixed"].refused is None
+    half = onnx.load(str(out / "text.cuda-fused-mixed.onnx"), load_external_data=False).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in half.value_info}
+    types.update({t.name: t.data_type for t in half.initializer})
+    producer = {o: n for n in half.node for o in n.output}
+    norms = [n for n in half.node if n.op_type == "GatedRMSNorm"]
+    assert norms
+    for norm in norms:
+        assert [types[name] for name in (*norm.input, norm.output[0])] == [onnx.TensorProto.FLOAT16] * 4
+        value, path = norm.input[0], []
+        while producer[value].op_type != "GatedDeltaNet":
+            path.append(producer[value])
+            value = producer[value].input[0]
+        assert not any(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT for n in path), path
 
 
 def test_a_form_onnxruntime_cannot_run_is_refused_and_the_next_one_is_tried(d3_checkpoint, d3_artifact, tmp_path,
