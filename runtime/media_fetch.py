@@ -19,11 +19,11 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import SplitResult, urljoin, urlsplit
 
-from ..models.errors import TimedOut
+from ..models.errors import TimedOut, Unavailable
 from .deadline import Deadline
 from .media_allowance import MediaAllowance
 from .media_errors import MediaError, MediaTooLarge, MediaUnreadable  # noqa: F401 - callers import them from here too
@@ -42,6 +42,23 @@ def system_resolver(host: str, port: int) -> list[str]:
     return [info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
 
 
+class LookupSlots:
+    """At most `size` name lookups at once, those still running after their fetch gave up included: a resolver
+    that stops answering holds `size` threads, not one per request."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._free = threading.BoundedSemaphore(size)
+
+    def take(self, host: str) -> None:
+        if not self._free.acquire(blocking=False):
+            raise Unavailable(f"cannot resolve host {host!r} now: all {self.size} name lookups are still waiting "
+                              "for the resolver; retry later", retry_after_s=5)
+
+    def give_back(self) -> None:
+        self._free.release()
+
+
 @dataclass(frozen=True)
 class FetchPolicy:
     allowed_local_path: Path | None = None
@@ -51,6 +68,7 @@ class FetchPolicy:
     video_timeout_s: float = 30.0  # a whole video fetch, as VLLM_VIDEO_FETCH_TIMEOUT
     max_bytes: int = 256 << 20
     resolver: Callable[[str, int], list[str]] = system_resolver  # host, port -> addresses
+    lookups: LookupSlots = field(default_factory=LookupSlots, compare=False)  # the resolver's threads, bounded
 
 
 def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -168,7 +186,7 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
 def _resolve(host: str, port: int, where: str, policy: FetchPolicy, fetch_deadline: Deadline) -> list[str]:
     """The resolver's answer within the fetch's deadline. A lookup cannot be interrupted, so it runs in a thread of
     its own and is waited for no longer than the deadline; a late one is left to end alone (the resolver's own
-    timeout ends it) and its answer dropped."""
+    timeout ends it), its answer dropped, and it holds one of the policy's lookup slots until then."""
     done, answer = threading.Event(), {}
 
     def lookup() -> None:
@@ -177,8 +195,10 @@ def _resolve(host: str, port: int, where: str, policy: FetchPolicy, fetch_deadli
         except Exception as exc:  # noqa: BLE001 - handed to the fetch's thread below
             answer["error"] = exc
         finally:
+            policy.lookups.give_back()
             done.set()
 
+    policy.lookups.take(host)
     unregister = fetch_deadline.on_cancel(done.set)
     threading.Thread(target=lookup, name="systemone-resolve", daemon=True).start()
     try:

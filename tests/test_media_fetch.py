@@ -218,6 +218,40 @@ def test_an_abandoned_request_stops_waiting_for_its_lookup():
     assert time.monotonic() - start < 1.0
 
 
+def test_lookups_left_running_are_bounded_and_past_the_bound_a_fetch_gets_a_503():
+    """A resolver that stops answering: each fetch gives up at its deadline but its lookup goes on (it cannot be
+    interrupted); with every slot held by such lookups, the next fetch is refused at once, and the slots come back
+    as the lookups end."""
+    from systemone.models.errors import Unavailable
+    from systemone.runtime.media_fetch import LookupSlots
+
+    answer = threading.Event()
+
+    def stuck(host: str, port: int) -> list[str]:
+        answer.wait(10)
+        return ["127.0.0.1"]
+
+    policy = FetchPolicy(allow_private_hosts=True, image_timeout_s=0.2, resolver=stuck, lookups=LookupSlots(2))
+    for i in range(2):
+        refused(f"http://stuck-dns.example/{i}.png", policy, status=422)
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="all 2 name lookups are still waiting for the resolver") as info:
+        fetch("http://stuck-dns.example/2.png", "images[0]", "image", policy)
+    assert time.monotonic() - start < 0.1 and http_status(info.value)[0] == 503
+    answer.set()  # the resolver answers again: the two lookups end and give their slots back
+    server = CountingServer({"a.png": PNG})
+    with server.running():
+        url = server.url.replace("127.0.0.1", "media.example") + "/a.png"
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                assert fetch(url, "i", "image", policy) == PNG
+                break
+            except Unavailable:
+                assert time.monotonic() < deadline, "the lookups' slots never came back"
+                time.sleep(0.01)
+
+
 def test_the_resolvers_answer_is_vetted_and_connected_to():
     server = CountingServer({"a.png": PNG})
     with server.running():
