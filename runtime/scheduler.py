@@ -1,11 +1,13 @@
-"""The engine's turn: one thread runs every graph call of the server, fed by a queue of admitted requests.
+"""The engine's turn: one thread runs the server's text-graph calls, fed by a queue of admitted requests, and with
+`media_lane` a second thread runs the vision graph beside it.
 
 Requests arrive prepared (checked, media loaded, prompts tokenized). In the engine thread:
 
 - an engine that does not share batches (d1: each request's prefix prefill is its own state) runs each request
   whole, as one job;
-- otherwise a request with media first runs its vision graph, as a job of its own; then its rows join the queue
-  (a text-only request's rows join at once);
+- otherwise a request with media first runs its vision graph, as a job of its own (in the media lane's thread
+  where there is one, so that no text call waits behind a vision run and the two graphs' runs overlap); then its
+  rows join the queue (a text-only request's rows join at once);
 - rows of different requests share padded text-graph calls. Rows are taken in start-time fair order: a request
   arriving when the scheduler's virtual time is V has its rows at V, V+1, V+2, ... (V is the place of the last row
   taken), ties in arrival order. So requests waiting together take turns row by row: a request of 64 questions
@@ -18,7 +20,7 @@ Requests arrive prepared (checked, media loaded, prompts tokenized). In the engi
 A request is answered when its last row returns. A request whose deadline has passed, or that was abandoned (its
 client left, its time ran out: `Deadline.cancel`), has its waiting rows dropped; a call in flight is stopped
 (onnxruntime's `RunOptions.terminate`) only when every request in it is gone, so batch mates still get their
-answers. `close` lets every request already submitted finish, then ends the thread.
+answers. `close` lets every request already submitted finish, then ends the threads.
 """
 
 from __future__ import annotations
@@ -76,20 +78,24 @@ class _Call:
     options: Any
 
 
+TEXT, MEDIA = "text", "media"  # the lanes: the engine thread, and the vision graph's own where there is one
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, batch_rows: int = 1, batch_wait_s: float = 0.001):
+    def __init__(self, engine: Engine, batch_rows: int = 1, batch_wait_s: float = 0.001, media_lane: bool = False):
         if batch_rows < 1 or batch_wait_s < 0:
             raise ValueError(f"batch_rows must be >= 1 (got {batch_rows}) and batch_wait_s >= 0 (got {batch_wait_s})")
         self.engine = engine
         self.batch_rows = batch_rows
         self.batch_wait_s = batch_wait_s
+        self.lanes = (TEXT, MEDIA) if media_lane and engine.shares_batches else (TEXT,)
         self._cond = threading.Condition()
         self._tickets: list[_Ticket] = []
         self._arrivals = 0
         self._virtual = 0  # the virtual time of the last row taken (start-time fair queueing)
-        self._in_flight: _Call | None = None
+        self._in_flight: dict[str, _Call] = {}  # by lane
         self._closing = False
-        self._thread: threading.Thread | None = None
+        self._threads: dict[str, threading.Thread] = {}
 
     # -- the callers' side -------------------------------------------------------------------------------------
     def submit(self, prepared: Prepared, deadline: Deadline) -> Future[list[Readout]]:
@@ -105,10 +111,12 @@ class Scheduler:
             if ticket.stage == "rows":
                 self._queue_rows(ticket, self.engine.rows(prepared, None))
             self._tickets.append(ticket)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="systemone-engine", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            for lane in self.lanes:
+                if lane not in self._threads:
+                    self._threads[lane] = threading.Thread(target=self._loop, args=(lane,), daemon=True,
+                                                           name=f"systemone-{'engine' if lane == TEXT else lane}")
+                    self._threads[lane].start()
+            self._cond.notify_all()
         unregister = deadline.on_cancel(lambda: self._on_gone())
         future.add_done_callback(lambda done: self._on_gone() if done.cancelled() else unregister())
         return future
@@ -118,8 +126,8 @@ class Scheduler:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-            thread = self._thread
-        if thread is not None:
+            threads = list(self._threads.values())
+        for thread in threads:
             thread.join(timeout)
 
     @property
@@ -142,42 +150,52 @@ class Scheduler:
         """A request was abandoned: wake the engine thread to drop its rows, and stop the call in flight when it
         served nobody else."""
         with self._cond:
-            call = self._in_flight
-            if call is not None and all(t.gone for t in call.tickets):
-                call.options.terminate = True
-            self._cond.notify()
+            for call in self._in_flight.values():
+                if all(t.gone for t in call.tickets):
+                    call.options.terminate = True
+            self._cond.notify_all()
 
-    # -- the engine thread -------------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while (job := self._next_job()) is not None:
+    # -- the engine thread (and the media lane's) --------------------------------------------------------------
+    def _loop(self, lane: str) -> None:
+        while (job := self._next_job(lane)) is not None:
             job()
 
-    def _next_job(self) -> Callable[[], None] | None:
+    def _next_job(self, lane: str) -> Callable[[], None] | None:
         with self._cond:
             while True:
                 for ticket in [t for t in self._tickets if t.gone]:
                     self._finish(ticket, error=ticket.deadline.error())
-                if not self._tickets:
+                # The media lane ends once no request can need it again; the engine thread once none is left.
+                if not any(self._serves(lane, t) for t in self._tickets):
                     if self._closing:
-                        self._thread = None
+                        del self._threads[lane]
                         return None
                     self._cond.wait()
                     continue
-                job, wait_s = self._pick()
+                job, wait_s = self._pick(lane)
                 if job is not None:
                     return job
                 self._cond.wait(wait_s)
 
-    def _pick(self) -> tuple[Callable[[], None] | None, float | None]:
-        """The next job, or how long to wait for more rows to join a call that is not full yet."""
-        jobs = [t for t in self._tickets if t.stage in ("whole", "media")]
+    def _serves(self, lane: str, ticket: _Ticket) -> bool:
+        return lane == TEXT or ticket.stage == MEDIA
+
+    def _pick(self, lane: str) -> tuple[Callable[[], None] | None, float | None]:
+        """The lane's next job, or how long to wait for more rows to join a call that is not full yet."""
+        job_stages = ("media",) if lane == MEDIA else ("whole",) if MEDIA in self.lanes else ("whole", "media")
+        jobs = [t for t in self._tickets if t.stage in job_stages]
         first_job = min(jobs, key=_Ticket.key, default=None)
+        if lane == MEDIA:
+            if first_job is None:
+                return None, None
+            first_job.stage = "running"
+            return self._job(first_job, lane), 0.0
         candidates = sorted(((t.key(i), t, i) for t in self._tickets if t.stage == "rows"
                              for i in range(min(len(t.pending), self.batch_rows))), key=lambda c: c[0])
         if first_job is not None and (not candidates or first_job.key() <= candidates[0][0]):
             first_job.stage = "running"
             self._virtual = max(self._virtual, first_job.key()[0])
-            return self._job(first_job), 0.0
+            return self._job(first_job, lane), 0.0
         if not candidates:  # every request's work is in flight
             return None, None
         call, full = self._group([(t, i) for _, t, i in candidates])
@@ -223,9 +241,9 @@ class Scheduler:
             longest, shortest = wide, narrow
         return call, full or len(call) == self.batch_rows
 
-    def _job(self, ticket: _Ticket) -> Callable[[], None]:
+    def _job(self, ticket: _Ticket, lane: str) -> Callable[[], None]:
         def run() -> None:
-            options = self._start([ticket])
+            options = self._start([ticket], lane)
             rows: list[TextRow] = []
             try:
                 if not self.engine.shares_batches:
@@ -235,32 +253,33 @@ class Scheduler:
                     readouts = None
             except Exception as exc:  # noqa: BLE001 - the request's caller gets it (a stopped run included)
                 with self._cond:
-                    self._in_flight = None
+                    del self._in_flight[lane]
                     self._finish(ticket, error=exc)
                 return
             with self._cond:
-                self._in_flight = None
+                del self._in_flight[lane]
                 if readouts is not None:
                     ticket.readouts = list(readouts)
                     self._finish(ticket)
                 else:
                     self._queue_rows(ticket, rows)
+                    self._cond.notify_all()  # the engine thread may be waiting with nothing else to do
         return run
 
     def _batch(self, taken: list[tuple[_Ticket, int, TextRow]]) -> Callable[[], None]:
         def run() -> None:
             tickets = list(dict.fromkeys(t for t, _, _ in taken))
-            options = self._start(tickets)
+            options = self._start(tickets, TEXT)
             try:
                 readouts = self.engine.run_rows([row for _, _, row in taken], options)
             except Exception as exc:  # noqa: BLE001 - every request in the call gets it
                 with self._cond:
-                    self._in_flight = None
+                    del self._in_flight[TEXT]
                     for ticket in tickets:
                         self._finish(ticket, error=exc)
                 return
             with self._cond:
-                self._in_flight = None
+                del self._in_flight[TEXT]
                 for (ticket, index, _), readout in zip(taken, readouts, strict=True):
                     ticket.readouts[index] = readout
                 for ticket in tickets:
@@ -268,10 +287,10 @@ class Scheduler:
                         self._finish(ticket)
         return run
 
-    def _start(self, tickets: list[_Ticket]) -> Any:
+    def _start(self, tickets: list[_Ticket], lane: str) -> Any:
         options = ort.RunOptions()
         with self._cond:
-            self._in_flight = _Call(tickets, options)
+            self._in_flight[lane] = _Call(tickets, options)
         return options
 
     def _finish(self, ticket: _Ticket, error: BaseException | None = None) -> None:
@@ -287,3 +306,4 @@ class Scheduler:
                 ticket.future.set_result([r for r in ticket.readouts if r is not None])
         except InvalidStateError:  # the caller cancelled the future
             pass
+        self._cond.notify_all()  # a lane waiting for work may now have none left to wait for (closing)

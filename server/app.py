@@ -76,7 +76,10 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     # With an API key the interactive docs are off (they would describe the API to anyone); /metrics needs the key.
     docs = {} if options.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     sizing = (service.batch_sizing() if options.max_batch_rows is None else BatchSizing(options.max_batch_rows))
-    scheduler = Scheduler(service.engine, sizing.rows, options.batch_wait_ms / 1000)
+    # On a GPU the vision graph runs beside the text calls (its launches overlap theirs); on the CPU both would
+    # share the same few cores.
+    scheduler = Scheduler(service.engine, sizing.rows, options.batch_wait_ms / 1000,
+                          media_lane=service.provider != "CPUExecutionProvider")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -53,11 +53,13 @@ def probabilities(answer: dict) -> dict[tuple[str, str], float]:
     return {(q, k): p for q, a in answer["answers"].items() for k, p in a["probabilities"].items()}
 
 
-@pytest.mark.parametrize("form, bound", [("portable", 1e-5), ("cuda-fused-fp16", 2e-3)])
-def test_an_answer_does_not_depend_on_its_batch_mates(d3_service, d3_artifact, form, bound):
+@pytest.mark.parametrize("form, bound, media_lane", [("portable", 1e-5, False), ("portable", 1e-5, True),
+                                                     ("cuda-fused-fp16", 2e-3, False)])
+def test_an_answer_does_not_depend_on_its_batch_mates(d3_service, d3_artifact, form, bound, media_lane):
     """The same questions answered one request at a time, and submitted together so that they share calls with
     other requests' questions of other lengths and with an image request's rows: probabilities within 1e-5 on the
-    fp32 graphs, within 2e-3 on the half-precision form (run here on the CPU)."""
+    fp32 graphs, within 2e-3 on the half-precision form (run here on the CPU); with the vision graph in its own
+    lane or in the engine thread."""
     if form != d3_service.form:
         d3_service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu", form=form))
     bodies = [body("short", 2), body("a much longer state, " * 12, 3),
@@ -66,7 +68,7 @@ def test_an_answer_does_not_depend_on_its_batch_mates(d3_service, d3_artifact, f
     prepared = [d3_service.prepare(b) for b in bodies]
     alone = [d3_service.answer(p) for p in prepared]
     engine = Recording(d3_service.engine)
-    scheduler = Scheduler(engine, batch_rows=16, batch_wait_s=0.3)
+    scheduler = Scheduler(engine, batch_rows=16, batch_wait_s=0.3, media_lane=media_lane)
     futures = [scheduler.submit(p, Deadline()) for p in prepared]
     together = [d3_service.respond(p, f.result(timeout=60)) for p, f in zip(prepared, futures)]
     scheduler.close()
@@ -75,6 +77,35 @@ def test_an_answer_does_not_depend_on_its_batch_mates(d3_service, d3_artifact, f
         want, got = probabilities(one), probabilities(shared)
         assert want.keys() == got.keys()
         assert max(abs(want[k] - got[k]) for k in want) <= bound
+
+
+class SlowVision(Recording):
+    """The real engine, its vision graph taking a second longer."""
+
+    def encode_media(self, prepared, run_options=None):
+        time.sleep(1.0)
+        return self._engine.encode_media(prepared, run_options)
+
+
+@pytest.mark.parametrize("media_lane", [False, True])
+def test_in_a_media_lane_a_vision_run_holds_back_no_text_request(d3_service, media_lane):
+    """A text request arriving while an image request's vision graph runs: in the engine thread it waits for the
+    vision run; with the media lane its call runs beside it, and the image request's rows follow when ready."""
+    scheduler = Scheduler(SlowVision(d3_service.engine), batch_rows=4, batch_wait_s=0.0, media_lane=media_lane)
+    image = d3_service.prepare(body("with a picture", 2, images=[data_url(gradient_png(96, 80))]))
+    text = d3_service.prepare(body("short", 1))
+    image_future = scheduler.submit(image, Deadline())
+    time.sleep(0.2)  # its vision run has begun
+    start = time.monotonic()
+    assert len(scheduler.submit(text, Deadline()).result(timeout=60)) == 1
+    waited = time.monotonic() - start
+    if media_lane:
+        assert waited < 0.5 and not image_future.done(), waited  # answered while the vision graph still ran
+    else:
+        assert waited >= 0.7, waited
+    assert len(image_future.result(timeout=60)) == 2
+    scheduler.close(timeout=30)
+    assert scheduler.waiting == 0
 
 
 def test_concurrent_http_requests_share_graph_calls(d3_service):
@@ -195,6 +226,36 @@ def test_a_call_in_flight_stops_only_when_every_request_in_it_is_gone():
     assert engine.stopped == [False, True]
     engine.release.set()
     scheduler.close()
+
+
+class HeldVision(HeldEngine):
+    """Its vision graph, too, waits until the test releases it or the run is stopped."""
+
+    def encode_media(self, prepared, run_options=None):
+        return self.run_rows([], run_options)
+
+
+def test_in_the_media_lane_an_abandoned_requests_vision_run_is_stopped_and_close_waits_for_both_lanes():
+    engine = HeldVision()
+    scheduler = Scheduler(engine, batch_rows=4, batch_wait_s=0.0, media_lane=True)
+    leaving = Deadline()
+    gone = scheduler.submit(Prepared(None, [0], [], [], media="an image"), leaving)
+    assert engine.entered.acquire(timeout=10)  # its vision run, in the media lane
+    text = scheduler.submit(held(1), Deadline())
+    assert engine.entered.acquire(timeout=10)  # a text call beside it, in the engine thread
+    leaving.cancel()
+    with pytest.raises(TimedOut):
+        gone.result(timeout=10)
+    assert engine.stopped == [True]  # the vision run stopped; the text call goes on
+    staying = scheduler.submit(Prepared(None, [0, 1], [], [], media="another image"), Deadline())
+    closing = threading.Thread(target=scheduler.close)
+    closing.start()
+    time.sleep(0.1)
+    assert closing.is_alive()  # both lanes hold work
+    engine.release.set()
+    closing.join(timeout=10)
+    assert not closing.is_alive()
+    assert len(text.result(timeout=0)) == 1 and len(staying.result(timeout=0)) == 2
 
 
 def test_close_lets_submitted_requests_finish_and_refuses_new_ones():
