@@ -2,9 +2,10 @@
 send half a request line and hold it. Reports what the server did with them (closed at once past the cap, or held
 until the header timeout), its open descriptors, whether `/health` and a real request were answered during the
 flood and after the header timeout, and how many lines it logged. The client needs N descriptors of its own
-(`ulimit -n`).
+(`ulimit -n`). With `--per-client K` the server caps each client address at K connections
+(`--max-connections-per-client`) and the flood comes from 127.0.0.2 while the probes come from 127.0.0.1.
 
-    python scripts/connection_flood.py ARTIFACT [--connections 19000] [--out F]
+    python scripts/connection_flood.py ARTIFACT [--connections 19000] [--per-client K] [--out F]
 """
 
 from __future__ import annotations
@@ -58,21 +59,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact")
     parser.add_argument("--connections", type=int, default=19_000)
+    parser.add_argument("--per-client", type=int, default=0, help="serve's --max-connections-per-client")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu", "--port", str(port)]
+    if args.per_client:
+        command += ["--max-connections-per-client", str(args.per_client)]
+    source = ("127.0.0.2", 0) if args.per_client else None  # Linux routes all of 127/8 to the loopback device
     server = start_server(command, base, 300, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    report: dict = {"command": f"python scripts/connection_flood.py ARTIFACT --connections {args.connections}",
+    flags = f" --per-client {args.per_client}" if args.per_client else ""
+    report: dict = {"command": f"python scripts/connection_flood.py ARTIFACT --connections {args.connections}{flags}",
                     "serve": " ".join(command[1:]), "descriptors_before": descriptors(server.pid)}
     sockets, failed = [], 0
     start = time.monotonic()
     try:
         for _ in range(args.connections):
             try:
-                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=source)
                 sock.sendall(b"GET /heal")
                 sockets.append(sock)
             except OSError:

@@ -1,5 +1,6 @@
-"""Connection guards uvicorn does not have: a deadline for a request's headers, a cap on open connections, and
-one log line (not one per accept) when the process runs out of file descriptors.
+"""Connection guards uvicorn does not have: a deadline for a request's headers, a cap on open connections (and,
+optionally, on one client address's), and one log line (not one per accept) when the process runs out of file
+descriptors.
 
 uvicorn's own limits are used where they suffice (README "Bounds"): `limit_concurrency` answers 503 once that many
 connections or tasks are open, `timeout_keep_alive` closes idle keep-alive connections, and h11's
@@ -14,24 +15,36 @@ import asyncio
 import logging
 import resource
 import time
+from collections import Counter
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 ACCEPT_FAILURE = "socket.accept() out of system resource"
 
 
-def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+def guarded_protocol(header_timeout_s: float, max_connections: int, max_per_client: int = 0) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing connections whose next request's headers take longer than
-    `header_timeout_s` (from connect, or from the previous response) and connections past `max_connections`."""
+    `header_timeout_s` (from connect, or from the previous response), connections past `max_connections`, and with
+    `max_per_client` (0: no such cap) a client address's connections past that many."""
+    open_by_client: Counter[str] = Counter()  # this server's connections by client address
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _client: str | None = None  # counted in open_by_client while the connection is open
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 transport.abort()  # past the cap: closed before a byte is read, nothing logged
                 return
+            if max_per_client:
+                peer = transport.get_extra_info("peername")
+                client = peer[0] if isinstance(peer, tuple) else str(peer)
+                if open_by_client[client] >= max_per_client:
+                    transport.abort()  # one address may not hold every connection the server has
+                    return
+                open_by_client[client] += 1
+                self._client = client
             self._arm()
 
         def _arm(self) -> None:
@@ -51,6 +64,11 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
         def connection_lost(self, exc: Exception | None) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
+            if self._client is not None:
+                open_by_client[self._client] -= 1
+                if not open_by_client[self._client]:
+                    del open_by_client[self._client]
+                self._client = None
             super().connection_lost(exc)
 
     return GuardedH11Protocol

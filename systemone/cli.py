@@ -129,7 +129,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
              else "the C library's defaults (not glibc)"), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(args.request_timeout) + 5,
-                http=guarded_protocol(args.header_timeout, max_connections), limit_concurrency=max_connections,
+                http=guarded_protocol(args.header_timeout, max_connections, args.max_connections_per_client),
+                limit_concurrency=max_connections,
                 timeout_keep_alive=5)
     return 0
 
@@ -286,6 +287,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -358,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a connection may take to send a request's headers (then it is closed)")
     serve.add_argument("--max-connections", type=int, default=1024,
                        help="open connections; more are closed at once (and kept below the descriptor limit)")
+    serve.add_argument("--max-connections-per-client", type=_non_negative_int, default=0,
+                       help="open connections from one client address; more are closed at once (0: no such cap; "
+                            "behind a reverse proxy every connection has the proxy's address)")
     serve.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug", "trace"), help="server log level")
     serve.set_defaults(func=cmd_serve)

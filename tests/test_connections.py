@@ -63,6 +63,31 @@ def test_connections_past_the_cap_are_closed_at_once(d3_service):
         assert httpx.get(base + "/health").status_code == 200
 
 
+def test_one_client_address_cannot_hold_every_connection(d3_service):
+    """At most 4 connections from one address (`--max-connections-per-client 4`): its fifth and sixth are closed at
+    once, another address is served meanwhile, and a slot it gives back it can take again."""
+    with live_server(d3_service, http=guarded_protocol(30.0, 64, max_per_client=4)) as base:
+        def connect() -> socket.socket:
+            return socket.create_connection(("127.0.0.1", port_of(base)), source_address=("127.0.0.2", 0))
+
+        held = [connect() for _ in range(4)]
+        extra = [connect() for _ in range(2)]
+        try:
+            assert [closed_by_server_within(s, 0.5) for s in extra] == [True, True]
+            assert not any(closed_by_server_within(s, 0.2) for s in held)
+            assert httpx.get(base + "/health").status_code == 200  # from 127.0.0.1
+            held.pop().close()
+            time.sleep(0.2)
+            again = connect()
+            held.append(again)
+            again.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            again.settimeout(5)
+            assert again.recv(64).startswith(b"HTTP/1.1 200")
+        finally:
+            for s in held + extra:
+                s.close()
+
+
 def test_a_body_sent_too_slowly_is_408(d3_service):
     with live_server(d3_service, ServerOptions(request_timeout_s=1.0)) as base:
         with socket.create_connection(("127.0.0.1", port_of(base))) as s:
