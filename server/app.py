@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 from ..models.errors import DecisionError, SchemaError
 from ..runtime.batch_sizing import BatchSizing
 from ..runtime.deadline import Deadline
+from ..runtime.devices import CPU
 from ..runtime.engine import Prepared
 from ..runtime.scheduler import Scheduler
 from ..runtime.service import DecisionService
@@ -79,7 +80,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     # On a GPU the vision graph runs beside the text calls (its launches overlap theirs); on the CPU both would
     # share the same few cores.
     scheduler = Scheduler(service.engine, sizing.rows, options.batch_wait_ms / 1000,
-                          media_lane=service.provider != "CPUExecutionProvider")
+                          media_lane=service.provider != CPU)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
