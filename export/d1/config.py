@@ -23,6 +23,7 @@ from ...runtime.d1.state import D1TextRunner, StateLayout
 from ...runtime.session import GraphSession
 from ...runtime.tokenizer import PromptTokenizer
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
+from ..half_precision import FLOAT16_MATMULS
 from ..parity import sample_prompts
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
 from .lfm2_text import D1TextGraph
@@ -218,10 +219,12 @@ class D1ExportConfig(ExportConfig):
     def forms(self) -> list[HalfForm]:
         from .answer_parity import parity_requests, question_pairs
 
-        # The text graph in half precision (its state in and out kept fp32); the vision graph stays the portable
-        # fp32 one.
-        return cuda_forms({"text": tuple(TEXT_OUTPUTS)},
-                          lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)))
+        # The text graph at the rung's precision (its state in and out kept fp32); the vision graph with only its
+        # matrix products in fp16 on every rung, as d3's (its norms, softmax and residual sums keep fp32's range).
+        # Every third gate request has images, so the gate runs both.
+        return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
+                          lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)),
+                          graph_precisions={"vision": FLOAT16_MATMULS})
 
     def write_runtime_files(self, out: Path) -> RuntimeFiles:
         """Tokenizer (as transformers loads it for lfm2_vl: tokenizer.json as is, spec 3.4), the processor's chat
