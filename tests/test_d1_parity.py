@@ -11,6 +11,7 @@ import pytest
 
 from systemone.export.d1.answer_parity import compare, parity_requests, sixteen_questions
 from systemone.export.d1.config import D1ExportConfig
+from systemone.models.family import Readout
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,25 @@ def test_a_question_reads_the_same_alone_or_among_others(d1_service):
         alone = d1_service.decide({**body, "questions": {qid: body["questions"][qid]}})["answers"][qid]
         for key, p in alone["probabilities"].items():
             assert abs(p - together[qid]["probabilities"][key]) < 1e-5
+
+
+def test_a_one_question_text_request_is_one_graph_call(d1_service):
+    """Nothing to share, so no prefill: the whole prompt is one call, reading what a prefill and a one-token read
+    on it read."""
+    body = sixteen_questions(False)
+    qid = next(iter(body["questions"]))
+    prepared = d1_service.prepare({**body, "questions": {qid: body["questions"][qid]}})
+    session = d1_service.engine.session
+    runs = session.runs
+    one_call = reads(d1_service, prepared)[0]
+    assert session.runs == runs + 1
+    ids = prepared.prompts[0].token_ids
+    runner = d1_service.engine.runner
+    labels = sorted({i for g in prepared.labels for i in g.ids})
+    logprobs, _ = runner.suffix_logprobs(runner.extend(runner.empty(), ids[:-1]), [ids[-1:]], labels)
+    prefilled = d1_service.family.read(prepared.questions[0], prepared.labels[0],
+                                       Readout(dict(zip(labels, logprobs[0].tolist())), 0))
+    assert np.abs(np.array(one_call.probs) - np.array(prefilled.probs)).max() < 1e-5
 
 
 def test_the_prefix_is_prefilled_in_chunks_within_the_attention_budget(d1_service):

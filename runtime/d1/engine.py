@@ -169,7 +169,9 @@ class D1Engine(Engine):
         if images is not None:
             media = media_rows(ids[0], self.image_token_id, self.media.encode(images, run_options))
         if reuse_prefix:
-            split = shared_prefix(ids)
+            # One question without images has nothing to share: its whole prompt is one call, not a prefill and a
+            # one-token read (two launch-bound calls on a GPU). Images stay in the prefix, where their rows go.
+            split = shared_prefix(ids) if len(ids) > 1 or media is not None else 0
             if media is not None and len(media.positions) and media.positions[-1] >= split:
                 raise RuntimeError("image rows past the shared prefix")
             snapshot = self.runner.extend(self.runner.empty(), ids[0][:split], media, run_options)
