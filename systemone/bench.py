@@ -140,7 +140,8 @@ class D1Workload(Workload):
 
         device = next(model.parameters()).device
         with torch.no_grad():
-            logits = model(input_ids=torch.from_numpy(ids).to(device)).logits[:, -1].float()
+            # Only the last position's logits, as a server computes them (not the LM head on every token).
+            logits = model(input_ids=torch.from_numpy(ids).to(device), logits_to_keep=1).logits[:, -1].float()
         return torch.log_softmax(logits, dim=-1)[:, self.labels].cpu().numpy()
 
     def requests(self) -> dict[str, Callable[[int], dict[str, Any]]]:
