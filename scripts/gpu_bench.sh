@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (see ../shared/device/README.md), in steps of one warm lease (each under the 10-minute
 # limit of one call; the checkpoint and artifact stay in ~/work between them):
-#   bash scripts/gpu_bench.sh export SIZE MODE          build a random-init checkpoint of SIZE (d3-* or d1-3B; MODE, the
-#                                                       d3 attention mode, is ignored for d1), export it (portable)
+#   bash scripts/gpu_bench.sh checkpoint SIZE MODE      build a random-init checkpoint of SIZE (d3-* or d1-3B; MODE, the
+#                                                       d3 attention mode, is ignored for d1) and say what the machine has
+#   bash scripts/gpu_bench.sh export SIZE MODE          the same checkpoint (built if missing), exported (portable)
 #   bash scripts/gpu_bench.sh forms SIZE MODE [FORMS]   add the CUDA forms, their answer gates run on CUDA
 #   bash scripts/gpu_bench.sh precision SIZE MODE       how far torch's own half precisions are from fp32, on the
 #                                                       gate's questions
 #   bash scripts/gpu_bench.sh bench SIZE MODE [FORMS]   `systemone bench` on CUDA, onnxruntime's and the GPU's profile
 #                                                       and (d3) the media requests' stages
 # FORMS: comma-separated form names (default: every one the family declares / the artifact has for CUDA).
+# BENCH_ARGS: more `systemone bench` flags (e.g. "--repeats 5 --request-repeats 20" where the lease is short).
 set -euo pipefail
 step="$1"; size="$2"; mode="$3"; forms="${4:-}"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
@@ -17,16 +19,22 @@ out="${OUT:-/tmp/out}"; mkdir -p "$out"
 repo="$PWD"
 cd ~  # the repo's own systemone/ folder would shadow the package mapping gpu_env.sh puts on PYTHONPATH
 quiet() { grep -v "falling back\|Writing model\|Loading weights\|torchvision\|UserWarning\|warnings.warn"; }
-case "$step" in
-export)
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import onnxruntime as o, torch, transformers; print('onnxruntime', o.__version__, o.get_available_providers()); print('torch', torch.__version__, 'transformers', transformers.__version__)"
+checkpoint() {  # a random-init checkpoint of $size, once per warm machine
   if [ ! -f "$work/checkpoint/config.json" ]; then
     case "$size" in
       d1*) python3 "$repo/scripts/build_d1_checkpoint.py" "$work/checkpoint" --size "$size" ;;
       *) python3 "$repo/scripts/build_d3_checkpoint.py" "$work/checkpoint" --size "$size" --attention-mode "$mode" ;;
     esac
   fi
+}
+case "$step" in
+checkpoint)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import onnxruntime as o, torch, transformers; print('onnxruntime', o.__version__, o.get_available_providers()); print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  checkpoint
+  ;;
+export)
+  checkpoint
   python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --overwrite --portable-only 2>&1 | quiet
   ;;
 forms)
@@ -54,7 +62,8 @@ print(sys.argv[2], r['form'], 'gpu ms/run', round(k.get('gpu_ms_per_run',0),2), 
       || echo "media timing failed" ;;
   esac
   python3 -m systemone.cli bench "$work/checkpoint" --artifact "$work/artifact" --device cuda \
-    ${forms:+--forms ${forms//,/ }} --out "$out/bench_${size}_${mode}.json" 2>&1 | quiet | grep -v '^ \|^{\|^}'
+    ${forms:+--forms ${forms//,/ }} ${BENCH_ARGS:-} --out "$out/bench_${size}_${mode}.json" 2>&1 | quiet \
+    | grep -v '^ \|^{\|^}'
   ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac
