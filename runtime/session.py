@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -83,6 +83,10 @@ class GraphSession:
             raise ProviderUnavailable(f"onnxruntime could not start {providers[0]} for {Path(path).name} "
                                       f"(it started {self.provider})")
         self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        # Where the outputs a run does not fetch are left, and where `device_values` puts a run's inputs: the GPU's
+        # memory on CUDA; elsewhere host memory (no device copies to save).
+        self.device_type = "cuda" if self.provider == CUDA else "cpu"
         self.runs = 0
 
     @staticmethod
@@ -116,14 +120,36 @@ class GraphSession:
         """The captured (batch, length) bucket a run of `batch` rows of up to `length` tokens pads to, if any."""
         return self.buckets.bucket(batch, length) if self.buckets is not None else None
 
-    def run(self, feeds: dict[str, np.ndarray], run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+    def device_values(self, arrays: Sequence[np.ndarray]) -> tuple[ort.OrtValue, ...]:
+        """`arrays` copied to the session's device once, to feed several `run(..., fetch=...)` calls (a prefix's
+        state read by every batch of its questions) without copying them again each time."""
+        return tuple(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device_type, 0) for a in arrays)
+
+    def run(self, feeds: Mapping[str, np.ndarray | ort.OrtValue], run_options: ort.RunOptions | None = None,
+            fetch: Sequence[str] | None = None) -> list[np.ndarray]:
         """Run the graph; `run_options.terminate = True` from another thread stops a run in flight. A run its
-        arena cannot hold (--gpu-memory) raises `DeviceMemoryExhausted`."""
+        arena cannot hold (--gpu-memory) raises `DeviceMemoryExhausted`.
+
+        Without `fetch`, every output comes back. With it, only the outputs it names, in its order: the others
+        stay where the graph made them and are dropped (on a GPU, a d1 read's new state is hundreds of MB that
+        copying back to the host took half the run), and `feeds` may hold `device_values`."""
         self.runs += 1
         if self.captured is not None:
             run_options = uncaptured(run_options)
         with memory_errors():
-            return self.session.run(None, feeds, run_options)
+            if fetch is None:
+                return self.session.run(None, feeds, run_options)
+            binding = self.session.io_binding()
+            for name, value in feeds.items():
+                if isinstance(value, ort.OrtValue):
+                    binding.bind_ortvalue_input(name, value)
+                else:
+                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
+            for name in self.output_names:
+                binding.bind_output(name, "cpu" if name in fetch else self.device_type)
+            self.session.run_with_iobinding(binding, run_options)
+            outputs = dict(zip(self.output_names, binding.get_outputs(), strict=True))
+            return [outputs[name].numpy() for name in fetch]
 
     def run_captured(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Run feeds padded to a `capture_shape` bucket as that bucket's CUDA graph (a replay is too short to need

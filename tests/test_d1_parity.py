@@ -80,6 +80,35 @@ def test_a_one_question_text_request_is_one_graph_call(d1_service):
     assert np.abs(np.array(one_call.probs) - np.array(prefilled.probs)).max() < 1e-5
 
 
+def test_the_questions_read_only_their_outputs_on_the_prefix_state_put_on_the_device_once(d1_service, monkeypatch):
+    """A suffix read fetches the label log-probabilities and greedy token alone (the state its rows add stays
+    where the graph made it: on a GPU, copying it back took half the run), and every batch of questions reads the
+    same device copy of the prefix's state."""
+    session = d1_service.engine.session
+    calls, copies = [], []
+    run, device_values = session.run, session.device_values
+
+    def spy_run(feeds, run_options=None, fetch=None):
+        calls.append((fetch, {name: feeds[name] for name in feeds if name.startswith("past_")}))
+        return run(feeds, run_options, fetch)
+
+    def spy_device_values(arrays):
+        copies.append(device_values(arrays))
+        return copies[-1]
+
+    monkeypatch.setattr(session, "run", spy_run)
+    monkeypatch.setattr(session, "device_values", spy_device_values)
+    answers = d1_service.decide(sixteen_questions(False))["answers"]
+    assert len(answers) == 16
+    reads_ = [(fetch, past) for fetch, past in calls if fetch is not None]
+    assert {fetch for fetch, _ in reads_} == {("label_logprobs", "argmax")} and len(reads_) >= 2
+    assert len(copies) == 1
+    for _, past in reads_:
+        assert [id(v) for v in past.values()] == [id(v) for v in copies[0]]
+    # The prefill is the one call that fetches everything: its new state is the snapshot.
+    assert [fetch for fetch, _ in calls].count(None) >= 1
+
+
 def test_the_prefix_is_prefilled_in_chunks_within_the_attention_budget(d1_service):
     """A prefix longer than one chunk of the attention budget is prefilled chunk by chunk on the growing state and
     reads what one whole pass reads."""

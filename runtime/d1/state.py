@@ -46,11 +46,14 @@ class StateLayout:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The decoder state after `length` tokens of one prompt (batch 1)."""
+    """The decoder state after `length` tokens of one prompt (batch 1): host arrays, or values already on the text
+    graph's device (`GraphSession.device_values`) where several reads feed it."""
 
     length: int
-    states: tuple[np.ndarray, ...]
+    states: tuple[Any, ...]
 
+
+READS = ("label_logprobs", "argmax")  # the text graph's outputs a read fetches; its new state is the rest
 
 # A row shorter than this fraction of its batch's longest starts a new batch: padded positions cost as much as
 # real ones, and the questions' suffixes differ a lot in length (a 26-option choice against a yes/no).
@@ -112,8 +115,9 @@ class D1TextRunner:
         if media is not None:
             media = media.in_every_row(*ids.shape)
         last = np.array([len(r) - 1 for r in rows], np.int64)
-        out = self.session.run(self._feeds(ids, last, labels, base, media), run_options)
-        return out[0], out[1]
+        # Only the reads come back: the state these rows add is never used.
+        logprobs, argmax = self.session.run(self._feeds(ids, last, labels, base, media), run_options, fetch=READS)
+        return logprobs, argmax
 
     def suffix_logprobs(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
                         run_options=None) -> tuple[np.ndarray, np.ndarray]:
@@ -133,7 +137,10 @@ class D1TextRunner:
             keep = self.budget.chunk_length(snapshot.length + n)  # the last chunk, read on the extended state
             own = self.extend(snapshot, suffix[:n - keep], run_options=run_options)
             logprobs[[index]], argmax[[index]] = self._run_rows(own, [suffix[n - keep:]], labels, None, run_options)
-        for batch in self.budget.plan([len(suffixes[i]) for i in fitting], snapshot.length, MIN_FILL):
+        batches = self.budget.plan([len(suffixes[i]) for i in fitting], snapshot.length, MIN_FILL)
+        # The prefix's state goes to the device once, not once a batch.
+        snapshot = Snapshot(snapshot.length, self.session.device_values(snapshot.states))
+        for batch in batches:
             rows = [fitting[i] for i in batch]
             logprobs[rows], argmax[rows] = self._run_rows(snapshot, [suffixes[i] for i in rows], labels, None,
                                                           run_options)
