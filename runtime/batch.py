@@ -74,12 +74,14 @@ def pad_right(rows: Sequence[Sequence[int]], pad_id: int = 0, width: int | None 
 @dataclass(frozen=True)
 class TextRow:
     """One question's text-graph input, able to share a padded batch with rows of other requests: its token ids,
-    the family's positions for them (d3: [3, n] M-RoPE; None where the graph takes none) and the vision rows at its
-    own prompt positions (None: text only)."""
+    the family's positions for them (d3: [3, n] M-RoPE; None where the graph takes none), the vision rows at its
+    own prompt positions (None: text only) and the vocabulary ids its read needs (d1's label tokens; empty where
+    the graph reads the same for every row)."""
 
     token_ids: Sequence[int]
     positions: np.ndarray | None = None
     media: MediaRows | None = None
+    label_ids: tuple[int, ...] = ()
 
     @property
     def length(self) -> int:

@@ -7,7 +7,9 @@ without running a graph, so a bad request is refused before it takes an inferenc
 An engine whose questions are independent rows of one text graph (`shares_batches`) also splits its graphs' work
 so the scheduler (runtime/scheduler.py) can batch questions of different requests together: `encode_media` (the
 request's vision graph runs), `rows` (one `TextRow` per question) and `run_rows` (one graph call over rows of any
-requests). Its `run` is those three steps for one request, so both paths give the same numbers.
+requests). Its `run` is those three steps for one request, so both paths give the same numbers. An engine may
+share batches for some requests only (`runs_whole`: d1 shares its one-question text requests, whose whole prompt
+is one row, and runs the others whole, their prefix prefilled once).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class Engine(ABC):
     unsupported: str | None = None  # why the model cannot serve decisions at all, if it cannot
     media: MediaEncoder[Any] | None = None  # how its images and videos are loaded and encoded, if it takes any
     shares_batches: bool = False  # whether its questions' rows may share a graph call with other requests' rows
+    # Whether a request's vision graph runs as a job of its own before its rows join calls (`encode_media`; the
+    # media lane's work), rather than inside its `run`.
+    encodes_media_apart: bool = False
     budget: BatchBudget | None = None  # the budget every text-graph call stays within (engines that share batches)
 
     @abstractmethod
@@ -74,6 +79,10 @@ class Engine(ABC):
     def run(self, prepared: Prepared, run_options: Any = None) -> list[Readout]:
         """One readout per question, in question order. `run_options` (onnxruntime RunOptions) lets the caller
         stop the graph runs in flight."""
+
+    def runs_whole(self, prepared: Prepared) -> bool:
+        """Whether the scheduler runs this request with `run`, on its own, rather than as rows sharing calls."""
+        return not self.shares_batches
 
     # -- rows that share batches across requests (engines with `shares_batches`) ----------------------------
     def encode_media(self, prepared: Prepared, run_options: Any = None) -> Any:

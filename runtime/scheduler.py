@@ -3,8 +3,8 @@
 
 Requests arrive prepared (checked, media loaded, prompts tokenized). In the engine thread:
 
-- an engine that does not share batches (d1: each request's prefix prefill is its own state) runs each request
-  whole, as one job;
+- a request its engine runs whole (`Engine.runs_whole`: d1's with images or several questions, whose prefix is
+  prefilled once as its own state) is one job;
 - otherwise a request with media first runs its vision graph, as a job of its own (in the media lane's thread
   where there is one, so that no text call waits behind a vision run and the two graphs' runs overlap); then its
   rows join the queue (a text-only request's rows join at once);
@@ -88,7 +88,7 @@ class Scheduler:
         self.engine = engine
         self.batch_rows = batch_rows
         self.batch_wait_s = batch_wait_s
-        self.lanes = (TEXT, MEDIA) if media_lane and engine.shares_batches else (TEXT,)
+        self.lanes = (TEXT, MEDIA) if media_lane and engine.encodes_media_apart else (TEXT,)
         self._cond = threading.Condition()
         self._tickets: list[_Ticket] = []
         self._arrivals = 0
@@ -137,7 +137,7 @@ class Scheduler:
             return len(self._tickets)
 
     def _first_stage(self, prepared: Prepared) -> str:
-        if not self.engine.shares_batches:
+        if self.engine.runs_whole(prepared):
             return "whole"
         return "rows" if prepared.media is None else "media"
 
@@ -246,7 +246,7 @@ class Scheduler:
             options = self._start([ticket], lane)
             rows: list[TextRow] = []
             try:
-                if not self.engine.shares_batches:
+                if self.engine.runs_whole(ticket.prepared):
                     readouts = self.engine.run(ticket.prepared, options)
                 else:
                     rows = self.engine.rows(ticket.prepared, self.engine.encode_media(ticket.prepared, options))

@@ -79,6 +79,28 @@ def test_an_answer_does_not_depend_on_its_batch_mates(d3_service, d3_artifact, f
         assert max(abs(want[k] - got[k]) for k in want) <= bound
 
 
+def test_d1_shares_calls_among_one_question_text_requests_and_runs_the_others_whole(d1_service):
+    """d1's one-question text requests are one row each (the whole prompt) and share calls across requests, each
+    reading its own labels; a request with several questions or an image runs whole, its prefix prefilled once.
+    Every answer is the one the request gets alone."""
+    engine = Recording(d1_service.engine)
+    bodies = [body(state, 1) if i % 3 else {"state": state, "questions": {"team": CHOICE}}
+              for i, state in enumerate(["Charged twice", "Refund not received after two weeks", "Cannot log in",
+                                         "Parcel lost in transit, please help", "Wrong size", "Double charge again"])]
+    bodies += [body("A long thread about a charge", 3), body("See the photo", 1, images=[data_url(gradient_png(64, 48))])]
+    prepared = [d1_service.prepare(b) for b in bodies]
+    assert [engine.runs_whole(p) for p in prepared] == [False] * 6 + [True, True]
+    alone = [d1_service.answer(p) for p in prepared]
+    scheduler = Scheduler(engine, batch_rows=8, batch_wait_s=0.3)
+    futures = [scheduler.submit(p, Deadline()) for p in prepared]
+    together = [d1_service.respond(p, f.result(timeout=120)) for p, f in zip(prepared, futures, strict=True)]
+    scheduler.close()
+    assert sum(engine.calls) == 6 and max(engine.calls) >= 3, engine.calls  # the one-question requests shared
+    for one, shared in zip(alone, together, strict=True):
+        want, got = probabilities(one), probabilities(shared)
+        assert want.keys() == got.keys() and max(abs(want[k] - got[k]) for k in want) <= 1e-5
+
+
 class SlowVision(Recording):
     """The real engine, its vision graph taking a second longer."""
 
@@ -230,6 +252,8 @@ def test_a_call_in_flight_stops_only_when_every_request_in_it_is_gone():
 
 class HeldVision(HeldEngine):
     """Its vision graph, too, waits until the test releases it or the run is stopped."""
+
+    encodes_media_apart = True
 
     def encode_media(self, prepared, run_options=None):
         return self.run_rows([], run_options)

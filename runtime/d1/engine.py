@@ -18,7 +18,7 @@ from ...models.family import Readout
 from ...models.questions import QUESTION_TYPES, Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
-from ..batch import BatchBudget
+from ..batch import BatchBudget, TextRow
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
@@ -43,6 +43,10 @@ def shared_prefix(prompts: list[list[int]]) -> int:
 
 
 class D1Engine(Engine):
+    # A one-question text request is one row (its whole prompt from an empty state) and shares calls with other
+    # requests' rows; a request with images or several questions runs whole, its shared prefix prefilled once.
+    shares_batches = True
+
     def __init__(self, artifact: Artifact, options: EngineOptions):
         fields = artifact.manifest.model
         self.artifact = artifact
@@ -53,8 +57,8 @@ class D1Engine(Engine):
         self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
                                     options.gpu_memory)
         layout = StateLayout.from_manifest(fields)
-        self.runner = D1TextRunner(self.session, layout,
-                                   BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads))
+        self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads)
+        self.runner = D1TextRunner(self.session, layout, self.budget)
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
                                            options.gpu_memory)
         vision = fields["vision"]
@@ -179,3 +183,21 @@ class D1Engine(Engine):
         else:
             logprobs, argmax = self.runner.whole_logprobs(ids, label_ids, media, run_options)
         return [Readout(dict(zip(label_ids, row.tolist())), int(top)) for row, top in zip(logprobs, argmax)]
+
+    # -- rows shared with other requests (one-question text requests) --------------------------------------
+    def runs_whole(self, prepared: Prepared) -> bool:
+        return (prepared.media is not None or len(prepared.prompts) != 1
+                or not self.budget.fits(1, len(prepared.prompts[0].token_ids)))
+
+    def rows(self, prepared: Prepared, encoded: Any) -> list[TextRow]:
+        return [TextRow(prompt.token_ids, label_ids=tuple(labels.ids))
+                for prompt, labels in zip(prepared.prompts, prepared.labels, strict=True)]
+
+    def run_rows(self, rows: list[TextRow], run_options: Any = None) -> list[Readout]:
+        # One call reads every row's labels: each row's read picks its own from the union.
+        label_ids = sorted({i for row in rows for i in row.label_ids})
+        logprobs, argmax = self.runner.read_prompts([row.token_ids for row in rows], label_ids, run_options)
+        return [Readout(dict(zip(label_ids, row.tolist())), int(top)) for row, top in zip(logprobs, argmax)]
+
+    def probe_row(self, length: int) -> TextRow:
+        return TextRow([0] * length, label_ids=(0,))

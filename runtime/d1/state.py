@@ -146,6 +146,12 @@ class D1TextRunner:
                                                           run_options)
         return logprobs, argmax
 
+    def read_prompts(self, prompts: Sequence[Sequence[int]], label_ids: Sequence[int],
+                     run_options=None) -> tuple[np.ndarray, np.ndarray]:
+        """Whole prompts (of different requests) read in one call from an empty state; the caller keeps the call
+        within the budget."""
+        return self._run_rows(self.empty(), prompts, np.asarray(label_ids, dtype=np.int64), None, run_options)
+
     def whole_logprobs(self, prompts: Sequence[Sequence[int]], label_ids: Sequence[int],
                        media: MediaRows | None = None, run_options=None) -> tuple[np.ndarray, np.ndarray]:
         """The same reads without prefix reuse: each whole prompt from an empty state, batched (the baseline the

@@ -34,6 +34,7 @@ class D3Media:
 
 class D3Engine(Engine):
     shares_batches = True  # every question is one independent row of the text graph
+    encodes_media_apart = True
 
     def __init__(self, artifact: Artifact, options: EngineOptions):
         fields = artifact.manifest.model
