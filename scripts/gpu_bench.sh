@@ -8,7 +8,7 @@
 #   bash scripts/gpu_bench.sh precision SIZE MODE       how far torch's own half precisions are from fp32, on the
 #                                                       gate's questions
 #   bash scripts/gpu_bench.sh bench SIZE MODE [FORMS]   `systemone bench` on CUDA, onnxruntime's and the GPU's profile
-#                                                       and (d3) the media requests' stages
+#                                                       of the text graph and (d3) the media requests' stages
 # FORMS: comma-separated form names (default: every one the family declares / the artifact has for CUDA).
 # BENCH_ARGS: more `systemone bench` flags (e.g. "--repeats 5 --request-repeats 20" where the lease is short).
 set -euo pipefail
@@ -47,8 +47,8 @@ precision)
     --out "$out/torch_precision_${size}_${mode}.json" 2>&1 | quiet
   ;;
 bench)
-  # d3: onnxruntime's and the GPU's own profile of the form serve takes (a failed profile does not stop the bench)
-  for shape in $(case "$size" in d1*) ;; *) echo 1x200 32x200 8x1000 ;; esac); do
+  # onnxruntime's and the GPU's own profile of the form serve takes (a failed profile does not stop the bench)
+  for shape in 1x200 32x200 8x1000; do
     python3 "$repo/scripts/ort_profile.py" "$work/artifact" --device cuda --batch ${shape%x*} --length ${shape#*x} \
       --gpu-kernels --out "$out/profile_${size}_${mode}_b${shape}.json" > /dev/null 2> "$out/profile_${shape}.log" \
       || tail -3 "$out/profile_${shape}.log"

@@ -1,12 +1,14 @@
-"""onnxruntime's own profile of an artifact's text graph on one token batch: node time by operator type (after one
-warm-up run), and the nodes placed outside the asked-for provider. Answers "where does the graph's time go" before
+"""onnxruntime's own profile of an artifact's text graph (d3's, or d1's read of whole prompts) on one token batch:
+node time by operator type (after one warm-up run), and the nodes placed outside the asked-for provider. Answers "where does the graph's time go" before
 optimising. On CUDA a node's time is the host's time in its compute call (launches are asynchronous), so the shares
 say where launch-bound runs spend the host's time, not the GPU's; with `--gpu-kernels` (CUDA, torch installed: a
 profiling tool, not the runtime) CUPTI records every kernel the same runs launch, through torch's profiler, and the
-report adds the GPU's own time by kernel family and the kernels that take most of it.
+report adds the GPU's own time by kernel family and the kernels that take most of it. A run fetches the outputs the
+runtime fetches (d1: the reads, not the new state); `--all-outputs` fetches every output, as the runtime did before
+d1's reads left their state on the device.
 
     python scripts/ort_profile.py ARTIFACT [--device cuda] [--form auto] [--batch 8] [--length 200] [--runs 5]
-        [--gpu-kernels] [--out F]
+        [--gpu-kernels] [--all-outputs] [--out F]
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def main() -> None:
     import onnxruntime as ort
 
     from systemone.runtime.artifact import Artifact
+    from systemone.runtime.batch import BatchBudget
+    from systemone.runtime.d1.state import READS, D1TextRunner, StateLayout
     from systemone.runtime.d3.code_logits import code_logit_feeds, text_positions
     from systemone.runtime.session import provider_options, resolve_providers
 
@@ -83,12 +87,11 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=200)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--gpu-kernels", action="store_true", help="also the GPU's own kernel times (CUDA, torch)")
+    parser.add_argument("--all-outputs", action="store_true", help="fetch every output (d1: its new state too)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     artifact = Artifact.load(args.artifact).with_form(args.form, args.device)
-    if artifact.manifest.family != "d3":
-        raise SystemExit("the profile feeds d3's text graph inputs")
     providers = resolve_providers(args.device)
     if providers[0] != "CPUExecutionProvider" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
@@ -99,11 +102,20 @@ def main() -> None:
     session = ort.InferenceSession(str(artifact.graph_path("text")), options,
                                    providers=[(p, provider_options(p, None)) for p in providers])
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 150_000, args.length).tolist() for _ in range(args.batch)]
-    feeds = code_logit_feeds(prompts, [text_positions(args.length)] * args.batch, None,
-                             int(artifact.manifest.model["hidden_size"]))
+    fields = artifact.manifest.model
+    if artifact.manifest.family == "d1":  # whole prompts from an empty state, five label tokens read
+        runner = D1TextRunner(None, StateLayout.from_manifest(fields), BatchBudget())
+        ids = rng.integers(0, 60_000, (args.batch, args.length))
+        feeds = runner.feeds(ids, np.full(args.batch, args.length - 1), np.arange(5, dtype=np.int64),
+                             runner.empty(), None)
+        fetch = None if args.all_outputs else list(READS)
+    else:
+        prompts = [rng.integers(0, 150_000, args.length).tolist() for _ in range(args.batch)]
+        feeds = code_logit_feeds(prompts, [text_positions(args.length)] * args.batch, None,
+                                 int(fields["hidden_size"]))
+        fetch = None
     for _ in range(args.runs + 1):
-        session.run(None, feeds)
+        session.run(fetch, feeds)
     events = json.loads(Path(session.end_profiling()).read_text())
     # The first run pays for the shapes' allocations and library set-up: only the runs after it are counted.
     first = min((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
@@ -119,7 +131,8 @@ def main() -> None:
         by_op[op] += event["dur"] / 1000.0 / args.runs
         providers_seen[event["args"].get("provider", "?")].add(op)
     total = sum(by_op.values())
-    report = {"batch": args.batch, "length": args.length, "form": artifact.form,
+    report = {"family": artifact.manifest.family, "batch": args.batch, "length": args.length, "form": artifact.form,
+              "outputs": fetch or "all",
               "provider": session.get_providers()[0],
               "kernel_ms_per_run": total,
               "by_op": {op: {"ms": ms, "share": ms / total} for op, ms in sorted(by_op.items(), key=lambda x: -x[1])},
@@ -128,8 +141,8 @@ def main() -> None:
         options.enable_profiling = False
         plain = ort.InferenceSession(str(artifact.graph_path("text")), options,
                                      providers=[(p, provider_options(p, None)) for p in providers])
-        plain.run(None, feeds)  # the shapes' allocations and library set-up, outside the record
-        report["gpu_kernels"] = gpu_kernel_times(lambda: plain.run(None, feeds), args.runs)
+        plain.run(fetch, feeds)  # the shapes' allocations and library set-up, outside the record
+        report["gpu_kernels"] = gpu_kernel_times(lambda: plain.run(fetch, feeds), args.runs)
     print(json.dumps(report, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))

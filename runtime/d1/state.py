@@ -79,8 +79,10 @@ class D1TextRunner:
                 states.append(np.zeros((1, lay.hidden, lay.conv_window), np.float32))
         return Snapshot(0, tuple(states))
 
-    def _feeds(self, ids: np.ndarray, last: np.ndarray, labels: np.ndarray, snapshot: Snapshot,
-               media: MediaRows | None) -> dict[str, np.ndarray]:
+    def feeds(self, ids: np.ndarray, last: np.ndarray, labels: np.ndarray, snapshot: Snapshot,
+              media: MediaRows | None) -> dict[str, Any]:
+        """The text graph's inputs: `ids` [B, L] on `snapshot`, each row read at `last`, the log-probabilities of
+        `labels`."""
         rows = media if media is not None and len(media.positions) else MediaRows.none(self.layout.hidden)
         feeds = {"input_ids": ids, **rows.feeds(), "last_index": last, "label_ids": labels}
         feeds.update(zip(self.past_names, snapshot.states))
@@ -95,7 +97,7 @@ class D1TextRunner:
             size = min(self.budget.chunk_length(snapshot.length), len(ids) - start)
             chunk = np.asarray(ids[start:start + size], dtype=np.int64)[None]
             rows = None if media is None else media.window(snapshot.length, snapshot.length + size)
-            out = self.session.run(self._feeds(chunk, np.array([size - 1]), labels, snapshot, rows), run_options)
+            out = self.session.run(self.feeds(chunk, np.array([size - 1]), labels, snapshot, rows), run_options)
             snapshot = Snapshot(snapshot.length + size, self._append(snapshot, out[2:]))
             start += size
         return snapshot
@@ -116,7 +118,7 @@ class D1TextRunner:
             media = media.in_every_row(*ids.shape)
         last = np.array([len(r) - 1 for r in rows], np.int64)
         # Only the reads come back: the state these rows add is never used.
-        logprobs, argmax = self.session.run(self._feeds(ids, last, labels, base, media), run_options, fetch=READS)
+        logprobs, argmax = self.session.run(self.feeds(ids, last, labels, base, media), run_options, fetch=READS)
         return logprobs, argmax
 
     def suffix_logprobs(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
