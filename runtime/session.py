@@ -140,11 +140,13 @@ class GraphSession:
             if fetch is None:
                 return self.session.run(None, feeds, run_options)
             binding = self.session.io_binding()
+            held = []  # the host arrays the binding reads, alive until the run has copied them
             for name, value in feeds.items():
                 if isinstance(value, ort.OrtValue):
                     binding.bind_ortvalue_input(name, value)
                 else:
-                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                    held.append(np.ascontiguousarray(value))
+                    binding.bind_cpu_input(name, held[-1])
             for name in self.output_names:
                 binding.bind_output(name, "cpu" if name in fetch else self.device_type)
             self.session.run_with_iobinding(binding, run_options)
