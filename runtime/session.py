@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -120,10 +120,12 @@ class GraphSession:
         """The captured (batch, length) bucket a run of `batch` rows of up to `length` tokens pads to, if any."""
         return self.buckets.bucket(batch, length) if self.buckets is not None else None
 
-    def device_values(self, arrays: Sequence[np.ndarray]) -> tuple[ort.OrtValue, ...]:
-        """`arrays` copied to the session's device once, to feed several `run(..., fetch=...)` calls (a prefix's
-        state read by every batch of its questions) without copying them again each time."""
-        return tuple(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device_type, 0) for a in arrays)
+    def device_values(self, arrays: Sequence[np.ndarray | ort.OrtValue]) -> tuple[ort.OrtValue, ...]:
+        """`arrays` copied to the session's device once (values already there kept), to feed several bound runs
+        (a prefix's state read by every batch of its questions) without copying them again each time."""
+        return tuple(a if isinstance(a, ort.OrtValue)
+                     else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device_type, 0)
+                     for a in arrays)
 
     def run(self, feeds: Mapping[str, np.ndarray | ort.OrtValue], run_options: ort.RunOptions | None = None,
             fetch: Sequence[str] | None = None) -> list[np.ndarray]:
@@ -133,12 +135,22 @@ class GraphSession:
         Without `fetch`, every output comes back. With it, only the outputs it names, in its order: the others
         stay where the graph made them and are dropped (on a GPU, a d1 read's new state is hundreds of MB that
         copying back to the host took half the run), and `feeds` may hold `device_values`."""
+        if fetch is None:
+            self.runs += 1
+            with memory_errors():
+                return self.session.run(None, feeds, run_options if self.captured is None else uncaptured(run_options))
+        outputs = self.run_bound(feeds, run_options, on_host=fetch)
+        return [outputs[name].numpy() for name in fetch]
+
+    def run_bound(self, feeds: Mapping[str, np.ndarray | ort.OrtValue], run_options: ort.RunOptions | None = None,
+                  on_host: Collection[str] = ()) -> dict[str, ort.OrtValue]:
+        """Run the graph with IO binding: every output by name, those in `on_host` copied to the host and the
+        others left on the session's device (a d1 prefix's state, fed to its questions' reads from there);
+        `feeds` may hold `device_values`."""
         self.runs += 1
         if self.captured is not None:
             run_options = uncaptured(run_options)
         with memory_errors():
-            if fetch is None:
-                return self.session.run(None, feeds, run_options)
             binding = self.session.io_binding()
             held = []  # the host arrays the binding reads, alive until the run has copied them
             for name, value in feeds.items():
@@ -148,10 +160,9 @@ class GraphSession:
                     held.append(np.ascontiguousarray(value))
                     binding.bind_cpu_input(name, held[-1])
             for name in self.output_names:
-                binding.bind_output(name, "cpu" if name in fetch else self.device_type)
+                binding.bind_output(name, "cpu" if name in on_host else self.device_type)
             self.session.run_with_iobinding(binding, run_options)
-            outputs = dict(zip(self.output_names, binding.get_outputs(), strict=True))
-            return [outputs[name].numpy() for name in fetch]
+            return dict(zip(self.output_names, binding.get_outputs(), strict=True))
 
     def run_captured(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Run feeds padded to a `capture_shape` bucket as that bucket's CUDA graph (a replay is too short to need

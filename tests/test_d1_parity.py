@@ -80,33 +80,33 @@ def test_a_one_question_text_request_is_one_graph_call(d1_service):
     assert np.abs(np.array(one_call.probs) - np.array(prefilled.probs)).max() < 1e-5
 
 
-def test_the_questions_read_only_their_outputs_on_the_prefix_state_put_on_the_device_once(d1_service, monkeypatch):
-    """A suffix read fetches the label log-probabilities and greedy token alone (the state its rows add stays
-    where the graph made it: on a GPU, copying it back took half the run), and every batch of questions reads the
-    same device copy of the prefix's state."""
+def test_the_prefix_state_stays_on_the_device_and_the_reads_fetch_only_their_outputs(d1_service, monkeypatch):
+    """The prefix prefilled in one chunk leaves its state where the graph made it (on a GPU, a round trip through
+    host memory saved), and every batch of questions reads that same state; a read fetches the label
+    log-probabilities and greedy token alone (the state its rows add is dropped where it was made: on a GPU,
+    copying it back took half the run)."""
     session = d1_service.engine.session
-    calls, copies = [], []
-    run, device_values = session.run, session.device_values
+    reads, prefills = [], []
+    run, run_bound = session.run, session.run_bound
 
     def spy_run(feeds, run_options=None, fetch=None):
-        calls.append((fetch, {name: feeds[name] for name in feeds if name.startswith("past_")}))
+        reads.append((fetch, [feeds[name] for name in feeds if name.startswith("past_")]))
         return run(feeds, run_options, fetch)
 
-    def spy_device_values(arrays):
-        copies.append(device_values(arrays))
-        return copies[-1]
+    def spy_run_bound(feeds, run_options=None, on_host=()):
+        prefills.append(run_bound(feeds, run_options, on_host))
+        return prefills[-1]
 
     monkeypatch.setattr(session, "run", spy_run)
-    monkeypatch.setattr(session, "device_values", spy_device_values)
-    answers = d1_service.decide(sixteen_questions(False))["answers"]
+    monkeypatch.setattr(session, "run_bound", spy_run_bound)
+    body = sixteen_questions(False)
+    answers = d1_service.decide(body)["answers"]
     assert len(answers) == 16
-    reads_ = [(fetch, past) for fetch, past in calls if fetch is not None]
-    assert {fetch for fetch, _ in reads_} == {("label_logprobs", "argmax")} and len(reads_) >= 2
-    assert len(copies) == 1
-    for _, past in reads_:
-        assert [id(v) for v in past.values()] == [id(v) for v in copies[0]]
-    # The prefill is the one call that fetches everything: its new state is the snapshot.
-    assert [fetch for fetch, _ in calls].count(None) >= 1
+    # run_bound is also what a read's run(fetch=...) calls: the prefill is the first call, the reads the rest.
+    assert len(reads) >= 2 and {fetch for fetch, _ in reads} == {("label_logprobs", "argmax")}
+    state = [prefills[0][name] for name in d1_service.engine.runner.new_names]
+    for _, past in reads:
+        assert [id(v) for v in past] == [id(v) for v in state]
 
 
 def test_the_prefix_is_prefilled_in_chunks_within_the_attention_budget(d1_service):

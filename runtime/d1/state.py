@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
 from ..batch import BatchBudget, MediaRows, pad_right
 from ..session import GraphSession
@@ -66,6 +67,7 @@ class D1TextRunner:
         self.layout = layout
         self.budget = budget
         self.past_names = layout.names("past")
+        self.new_names = layout.names("new")
 
     # -- state -----------------------------------------------------------------------------------------------
     def empty(self) -> Snapshot:
@@ -97,14 +99,23 @@ class D1TextRunner:
             size = min(self.budget.chunk_length(snapshot.length), len(ids) - start)
             chunk = np.asarray(ids[start:start + size], dtype=np.int64)[None]
             rows = None if media is None else media.window(snapshot.length, snapshot.length + size)
-            out = self.session.run(self.feeds(chunk, np.array([size - 1]), labels, snapshot, rows), run_options)
-            snapshot = Snapshot(snapshot.length + size, self._append(snapshot, out[2:]))
+            feeds = self.feeds(chunk, np.array([size - 1]), labels, snapshot, rows)
+            if snapshot.length == 0 and size == len(ids):
+                # One chunk from nothing: its new state is the whole state, left on the device for the reads
+                # (on a GPU it made a round trip through pageable host memory, tens of MB at d1-3B's size).
+                out = self.session.run_bound(feeds, run_options)
+                snapshot = Snapshot(size, tuple(out[name] for name in self.new_names))
+            else:
+                out = self.session.run(feeds, run_options, fetch=self.session.output_names)
+                snapshot = Snapshot(snapshot.length + size, self._append(snapshot, out[2:]))
             start += size
         return snapshot
 
-    def _append(self, snapshot: Snapshot, new: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    @staticmethod
+    def _append(snapshot: Snapshot, new: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
         states = []
         for old, add in zip(snapshot.states, new):
+            old = old.numpy() if isinstance(old, ort.OrtValue) else old  # a device snapshot extended further
             states.append(np.concatenate([old, add], axis=2) if old.ndim == 4 else add)
         return tuple(states)
 
