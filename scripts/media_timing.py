@@ -8,7 +8,7 @@ is demuxed once to find the keyframes, then the sampled frames are decoded.
 
 Median (min) milliseconds of --repeats runs after one warm-up run; the machine's other load shows in the medians.
 
-    python scripts/media_timing.py ARTIFACT [--device cpu] [--repeats 5] [--mp4]
+    python scripts/media_timing.py ARTIFACT [--device cpu] [--repeats 5] [--mp4] [--frame-threads N]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -97,7 +98,9 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
         watch.time("demux", lambda: demux_once(data))
         frames = watch.time("frame decode", lambda: d3_video.decode_video(data, where).frames)
         height, width = d3_video.video_size(len(frames), *frames.shape[1:3], factor, temporal)
-    resized = watch.time("resize", lambda: np.stack([resize_bicubic(f, height, width) for f in frames]))
+    # A video's frames are resized in the encoder's frame threads, as load_one resizes them.
+    resize = (encoder.frame_pool.map if kind == "video" else map)
+    resized = watch.time("resize", lambda: np.stack(list(resize(lambda f: resize_bicubic(f, height, width), frames))))
     normalized = watch.time("normalize", lambda: normalize(resized, encoder.mean, encoder.std))
 
     def grouped() -> np.ndarray:  # an image is one frame repeated to a temporal group; a video padded with its last
@@ -149,9 +152,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mp4", action="store_true", help="also the video as an MPEG-4 file")
+    parser.add_argument("--frame-threads", type=int, default=None,
+                        help="threads that resize a video's frames (default: the encoder's own pool)")
     args = parser.parse_args()
 
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
+    if args.frame_threads:
+        service.engine.media.frame_pool = ThreadPoolExecutor(args.frame_threads)
     if service.artifact.manifest.family != "d3":
         raise SystemExit("the seeds' video requests need a d3 artifact")
     mix = RequestMix("d3")
@@ -159,7 +166,8 @@ def main() -> None:
     if args.mp4:
         frames = [base64.b64decode(p) for p in bodies["video"]["videos"][0].split(",")[1:]]
         bodies["video mp4"] = mp4_body(bodies["video"], frames)
-    print(f"{args.artifact} on {service.provider}, {os.cpu_count()} CPUs; numpy {np.__version__}; "
+    print(f"{args.artifact} on {service.provider}, {os.cpu_count()} CPUs, "
+          f"{service.engine.media.frame_pool._max_workers} frame threads; numpy {np.__version__}; "
           f"median (min) ms of {args.repeats} runs")
     watches = {}
     for name, body in bodies.items():

@@ -3,6 +3,9 @@ decoding, and pixel values equal, bit for bit, to transformers' Qwen3VLVideoProc
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
 import hashlib
 
 import numpy as np
@@ -46,9 +49,12 @@ def test_opencv_decoding_reads_the_spec_frames(tmp_path):
     assert video.frames.shape == (20, 720, 1280, 3)
 
 
+@pytest.mark.parametrize("threads", [0, 3])
 @pytest.mark.parametrize("name", list(VIDEOS))
-def test_pixel_values_equal_the_video_processor(name):
-    pixels, grid = qwen_video(fixture_frames(name), 16, 2, 2, MEAN, STD)
+def test_pixel_values_equal_the_video_processor(name, threads):
+    """Bit for bit, whether the frames are resized one after another or in a pool's threads."""
+    with ThreadPoolExecutor(threads) if threads else nullcontext() as pool:
+        pixels, grid = qwen_video(fixture_frames(name), 16, 2, 2, MEAN, STD, pool)
     assert list(grid) == REFERENCE[f"{name}/grid_thw"].tolist()
     assert np.abs(pixels[:64] - REFERENCE[f"{name}/head"]).max() == 0.0
     assert hashlib.sha256(pixels.astype(np.float32).tobytes()).digest() == REFERENCE[f"{name}/sha256"].tobytes()

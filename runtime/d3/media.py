@@ -3,7 +3,9 @@ vision graph once each, whatever the number of questions (decision 6; spec 4.8-4
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,10 @@ from ..session import GraphSession
 from .placeholders import MediaLayout
 from .video import decode_video, qwen_video, timestamps
 from .vision_inputs import vision_inputs
+
+# Threads that resize a video's frames, shared by every video the encoder loads (so media workers x this is the
+# bound, not media workers x frames).
+FRAME_THREADS = min(8, os.cpu_count() or 1)
 
 # vLLM's override of the checkpoint's image size for d3 (spec 4.9): 64 to 1,600 tokens.
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 65_536, 1_638_400
@@ -48,6 +54,7 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
         self.side = int(vision["position_grid_side"])
         self.mean = tuple(vision["image_mean"])
         self.std = tuple(vision["image_std"])
+        self.frame_pool = ThreadPoolExecutor(FRAME_THREADS, thread_name_prefix="systemone-frames")
 
     def jobs(self, request: DecisionRequest) -> list[tuple[Hashable, str]]:
         jobs: list[tuple[Hashable, str]] = [(("image", url), f"images[{i}]")
@@ -75,7 +82,8 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
                 else fetch(url, where, "video", self.policy, deadline, allowance))
         video = decode_video(data, where, url, allowance, deadline)
         try:
-            pixels, grid = qwen_video(video.frames, self.patch, self.merge, self.temporal, self.mean, self.std)
+            pixels, grid = qwen_video(video.frames, self.patch, self.merge, self.temporal, self.mean, self.std,
+                                      self.frame_pool)
         except ValueError as exc:
             raise MediaError(where, f"Failed to apply Qwen3VLVideoProcessor: {exc}") from None
         return Preprocessed("video", pixels, grid, timestamps(video.indices, video.fps, self.temporal))
