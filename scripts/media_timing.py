@@ -144,6 +144,7 @@ def main() -> None:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
     from systemone.loadgen import RequestMix
     from systemone.runtime.artifact import Artifact
+    from systemone.runtime.d3.media import FRAME_THREADS
     from systemone.runtime.engine import EngineOptions
     from systemone.runtime.service import DecisionService
 
@@ -159,6 +160,7 @@ def main() -> None:
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
     if args.frame_threads:
         service.engine.media.frame_pool = ThreadPoolExecutor(args.frame_threads)
+    frame_threads = args.frame_threads or FRAME_THREADS
     if service.artifact.manifest.family != "d3":
         raise SystemExit("the seeds' video requests need a d3 artifact")
     mix = RequestMix("d3")
@@ -167,7 +169,7 @@ def main() -> None:
         frames = [base64.b64decode(p) for p in bodies["video"]["videos"][0].split(",")[1:]]
         bodies["video mp4"] = mp4_body(bodies["video"], frames)
     print(f"{args.artifact} on {service.provider}, {os.cpu_count()} CPUs, "
-          f"{service.engine.media.frame_pool._max_workers} frame threads; numpy {np.__version__}; "
+          f"{frame_threads} frame threads; numpy {np.__version__}; "
           f"median (min) ms of {args.repeats} runs")
     watches = {}
     for name, body in bodies.items():
