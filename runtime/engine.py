@@ -60,8 +60,8 @@ class Engine(ABC):
     unsupported: str | None = None  # why the model cannot serve decisions at all, if it cannot
     media: MediaEncoder[Any] | None = None  # how its images and videos are loaded and encoded, if it takes any
     shares_batches: bool = False  # whether its questions' rows may share a graph call with other requests' rows
-    # Whether a request's vision graph runs as a job of its own before its rows join calls (`encode_media`; the
-    # media lane's work), rather than inside its `run`.
+    # Whether a request's vision graph can run as a job of its own (`encode_media`: the media lane's work) before
+    # its rows join calls or, for a request run whole, before its `run`.
     encodes_media_apart: bool = False
     budget: BatchBudget | None = None  # the budget every text-graph call stays within (engines that share batches)
 
@@ -76,9 +76,10 @@ class Engine(ABC):
         request has none); raises `DecisionError` for anything the model cannot answer."""
 
     @abstractmethod
-    def run(self, prepared: Prepared, run_options: Any = None) -> list[Readout]:
+    def run(self, prepared: Prepared, run_options: Any = None, encoded: Any = None) -> list[Readout]:
         """One readout per question, in question order. `run_options` (onnxruntime RunOptions) lets the caller
-        stop the graph runs in flight."""
+        stop the graph runs in flight; `encoded` is the request's `encode_media` output where the media lane ran
+        it already (None: the run encodes its media itself)."""
 
     def runs_whole(self, prepared: Prepared) -> bool:
         """Whether the scheduler runs this request with `run`, on its own, rather than as rows sharing calls."""

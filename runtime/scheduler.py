@@ -4,7 +4,7 @@
 Requests arrive prepared (checked, media loaded, prompts tokenized). In the engine thread:
 
 - a request its engine runs whole (`Engine.runs_whole`: d1's with images or several questions, whose prefix is
-  prefilled once as its own state) is one job;
+  prefilled once as its own state) is one job, after its vision job in the media lane where there is one;
 - otherwise a request with media first runs its vision graph, as a job of its own (in the media lane's thread
   where there is one, so that no text call waits behind a vision run and the two graphs' runs overlap); then its
   rows join the queue (a text-only request's rows join at once);
@@ -55,6 +55,7 @@ class _Ticket:
     future: Future
     arrival: int
     stage: str  # "whole" (one job), "media" (its vision job first), "rows" (rows queued or in flight)
+    encoded: Any = None  # its media's vision output, where the media lane ran it before its whole run
     pending: deque[tuple[int, TextRow]] = field(default_factory=deque)
     readouts: list[Readout | None] = field(default_factory=list)
     start: int = 0  # the scheduler's virtual time when it arrived: its first row's place in the order
@@ -137,9 +138,11 @@ class Scheduler:
             return len(self._tickets)
 
     def _first_stage(self, prepared: Prepared) -> str:
-        if self.engine.runs_whole(prepared):
-            return "whole"
-        return "rows" if prepared.media is None else "media"
+        whole = self.engine.runs_whole(prepared)
+        if prepared.media is None:
+            return "whole" if whole else "rows"
+        # A request run whole has its vision job apart only where a media lane runs it beside the text calls.
+        return "media" if not whole or MEDIA in self.lanes else "whole"
 
     def _queue_rows(self, ticket: _Ticket, rows: list[TextRow]) -> None:
         ticket.pending = deque(enumerate(rows))
@@ -188,12 +191,10 @@ class Scheduler:
         if lane == MEDIA:
             if first_job is None:
                 return None, None
-            first_job.stage = "running"
             return self._job(first_job, lane), 0.0
         candidates = sorted(((t.key(i), t, i) for t in self._tickets if t.stage == "rows"
                              for i in range(min(len(t.pending), self.batch_rows))), key=lambda c: c[0])
         if first_job is not None and (not candidates or first_job.key() <= candidates[0][0]):
-            first_job.stage = "running"
             self._virtual = max(self._virtual, first_job.key()[0])
             return self._job(first_job, lane), 0.0
         if not candidates:  # every request's work is in flight
@@ -242,15 +243,19 @@ class Scheduler:
         return call, full or len(call) == self.batch_rows
 
     def _job(self, ticket: _Ticket, lane: str) -> Callable[[], None]:
+        """The ticket's whole run, or its vision job (then its rows queue, or its whole run waits its turn)."""
+        stage, ticket.stage = ticket.stage, "running"
+
         def run() -> None:
             options = self._start([ticket], lane)
-            rows: list[TextRow] = []
+            readouts, rows, encoded = None, None, None
             try:
-                if self.engine.runs_whole(ticket.prepared):
-                    readouts = self.engine.run(ticket.prepared, options)
+                if stage == "whole":
+                    readouts = self.engine.run(ticket.prepared, options, ticket.encoded)
+                elif self.engine.runs_whole(ticket.prepared):
+                    encoded = self.engine.encode_media(ticket.prepared, options)
                 else:
                     rows = self.engine.rows(ticket.prepared, self.engine.encode_media(ticket.prepared, options))
-                    readouts = None
             except Exception as exc:  # noqa: BLE001 - the request's caller gets it (a stopped run included)
                 with self._cond:
                     del self._in_flight[lane]
@@ -261,9 +266,12 @@ class Scheduler:
                 if readouts is not None:
                     ticket.readouts = list(readouts)
                     self._finish(ticket)
-                else:
+                    return
+                if rows is not None:
                     self._queue_rows(ticket, rows)
-                    self._cond.notify_all()  # the engine thread may be waiting with nothing else to do
+                else:  # its vision rows ready: its whole run takes its turn in the engine thread
+                    ticket.encoded, ticket.stage = encoded, "whole"
+                self._cond.notify_all()  # the engine thread may be waiting with nothing else to do
         return run
 
     def _batch(self, taken: list[tuple[_Ticket, int, TextRow]]) -> Callable[[], None]:

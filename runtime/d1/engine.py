@@ -44,8 +44,10 @@ def shared_prefix(prompts: list[list[int]]) -> int:
 
 class D1Engine(Engine):
     # A one-question text request is one row (its whole prompt from an empty state) and shares calls with other
-    # requests' rows; a request with images or several questions runs whole, its shared prefix prefilled once.
+    # requests' rows; a request with images or several questions runs whole, its shared prefix prefilled once
+    # (on a GPU its images encoded first, in the media lane, beside other requests' text calls).
     shares_batches = True
+    encodes_media_apart = True
 
     def __init__(self, artifact: Artifact, options: EngineOptions):
         fields = artifact.manifest.model
@@ -162,16 +164,17 @@ class D1Engine(Engine):
         return Prepared(request, questions, prompts, labels, images)
 
     # -- reads (spec 3.6, 3.7) -------------------------------------------------------------------------------
-    def run(self, prepared: Prepared, run_options: Any = None, reuse_prefix: bool = True) -> list[Readout]:
+    def run(self, prepared: Prepared, run_options: Any = None, encoded: np.ndarray | None = None,
+            reuse_prefix: bool = True) -> list[Readout]:
         """Each question's label log-probabilities and greedy token. With `reuse_prefix` (the default) the shared
         prefix runs once and the questions run as suffixes on its state; without, every whole prompt runs (the
         baseline the prefix saving is measured against)."""
         label_ids = sorted({i for g in prepared.labels for i in g.ids})
         ids = [p.token_ids for p in prepared.prompts]
-        images: LoadedMedia[Lfm2Image] | None = prepared.media
         media = None
-        if images is not None:
-            media = media_rows(ids[0], self.image_token_id, self.media.encode(images, run_options))
+        if prepared.media is not None:
+            embeds = encoded if encoded is not None else self.encode_media(prepared, run_options)
+            media = media_rows(ids[0], self.image_token_id, embeds)
         if reuse_prefix:
             # One question without images has nothing to share: its whole prompt is one call, not a prefill and a
             # one-token read (two launch-bound calls on a GPU). Images stay in the prefix, where their rows go.
@@ -184,7 +187,13 @@ class D1Engine(Engine):
             logprobs, argmax = self.runner.whole_logprobs(ids, label_ids, media, run_options)
         return [Readout(dict(zip(label_ids, row.tolist())), int(top)) for row, top in zip(logprobs, argmax)]
 
-    # -- rows shared with other requests (one-question text requests) --------------------------------------
+    # -- work the scheduler splits (runtime/scheduler.py) -----------------------------------------------------
+    def encode_media(self, prepared: Prepared, run_options: Any = None) -> np.ndarray | None:
+        """The vision rows of the request's images, in prompt order (on a GPU the media lane runs this beside the
+        text calls, then the request runs whole on them)."""
+        images: LoadedMedia[Lfm2Image] | None = prepared.media
+        return None if images is None else self.media.encode(images, run_options)
+
     def runs_whole(self, prepared: Prepared) -> bool:
         return (prepared.media is not None or len(prepared.prompts) != 1
                 or not self.budget.fits(1, len(prepared.prompts[0].token_ids)))

@@ -102,8 +102,8 @@ class D3Engine(Engine):
         labels = [self.family.labels(q, tokenizer.encode) for q in questions]
         return Prepared(request, questions, prompts, labels, prepared_media)
 
-    def run(self, prepared: Prepared, run_options: Any = None) -> list[Readout]:
-        rows = self.rows(prepared, self.encode_media(prepared, run_options))
+    def run(self, prepared: Prepared, run_options: Any = None, encoded: MediaRows | None = None) -> list[Readout]:
+        rows = self.rows(prepared, encoded if encoded is not None else self.encode_media(prepared, run_options))
         return self._readouts(self.runner.run_rows(rows, run_options))
 
     def encode_media(self, prepared: Prepared, run_options: Any = None) -> MediaRows | None:
