@@ -79,7 +79,8 @@ class Engine(ABC):
     def run(self, prepared: Prepared, run_options: Any = None, encoded: Any = None) -> list[Readout]:
         """One readout per question, in question order. `run_options` (onnxruntime RunOptions) lets the caller
         stop the graph runs in flight; `encoded` is the request's `encode_media` output where the media lane ran
-        it already (None: the run encodes its media itself)."""
+        it already (None: the run encodes its media itself; only engines with `encodes_media_apart` are given
+        one)."""
 
     def runs_whole(self, prepared: Prepared) -> bool:
         """Whether the scheduler runs this request with `run`, on its own, rather than as rows sharing calls."""

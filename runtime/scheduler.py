@@ -250,8 +250,9 @@ class Scheduler:
             options = self._start([ticket], lane)
             readouts, rows, encoded = None, None, None
             try:
-                if stage == "whole":
-                    readouts = self.engine.run(ticket.prepared, options, ticket.encoded)
+                if stage == "whole":  # `encoded` only where the media lane ran it (engines that encode apart)
+                    readouts = (self.engine.run(ticket.prepared, options) if ticket.encoded is None
+                                else self.engine.run(ticket.prepared, options, ticket.encoded))
                 elif self.engine.runs_whole(ticket.prepared):
                     encoded = self.engine.encode_media(ticket.prepared, options)
                 else:
