@@ -20,7 +20,7 @@ from statistics import median
 from typing import Any
 
 from systemone.loadgen import KINDS, HttpClient, RequestMix, closed_loop
-from systemone.local_server import free_port, start_server
+from systemone.local_server import free_port, serve_command, start_server
 
 
 def probabilities(payload: bytes) -> dict[tuple[str, str], float]:
@@ -61,8 +61,7 @@ def main() -> None:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu", "--port", str(port),
-               "--log-level", "warning", *[f for f in serve_flags if f != "--"]]
+    command = serve_command(args.artifact, port, "--log-level", "warning", *[f for f in serve_flags if f != "--"])
     server = start_server(command, base, 300, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                           text=True)
     url = base + "/v1/systemone"

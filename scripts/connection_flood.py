@@ -15,13 +15,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from systemone.local_server import free_port, start_server
+from systemone.local_server import free_port, serve_command, start_server
 
 HEADER_TIMEOUT_S = 10.0  # serve's default --header-timeout
 GOOD = {"state": "printer on fire", "questions": {"q": {"type": "noul", "instructions": "Is it urgent?"}}}
@@ -65,9 +64,8 @@ def main() -> None:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu", "--port", str(port)]
-    if args.per_client:
-        command += ["--max-connections-per-client", str(args.per_client)]
+    command = serve_command(args.artifact, port,
+                            *(["--max-connections-per-client", str(args.per_client)] if args.per_client else []))
     source = ("127.0.0.2", 0) if args.per_client else None  # Linux routes all of 127/8 to the loopback device
     server = start_server(command, base, 300, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     flags = f" --per-client {args.per_client}" if args.per_client else ""

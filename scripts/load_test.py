@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from systemone.local_server import free_port, start_server
+from systemone.local_server import free_port, serve_command, start_server
 
 REQUEST = json.loads((Path(__file__).parent / "demo_request.json").read_text())
 
@@ -69,9 +68,8 @@ def main() -> None:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server = start_server([sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu",
-                           "--port", str(port), "--max-concurrency", str(args.max_concurrency),
-                           "--max-queue", str(args.max_queue), "--log-level", "warning"],
+    server = start_server(serve_command(args.artifact, port, "--max-concurrency", str(args.max_concurrency),
+                                        "--max-queue", str(args.max_queue), "--log-level", "warning"),
                           base, 60, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         capacity = args.max_concurrency + args.max_queue

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from systemone.local_server import free_port, start_server
+from systemone.local_server import free_port, serve_command, start_server
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = {"state": {"ticket": "printer on fire", "priority": "high"},
@@ -131,9 +131,8 @@ def main() -> int:
     port = free_port()
     kinds = attacks(port, media, drip_url)
     base = f"http://127.0.0.1:{port}"
-    server = start_server([sys.executable, "-m", "systemone.cli", "serve", args.artifact, "--device", "cpu",
-                           "--port", str(port), "--allow-private-media-hosts", "--allowed-local-media-path",
-                           str(media), "--log-level", "warning"],
+    server = start_server(serve_command(args.artifact, port, "--allow-private-media-hosts",
+                                        "--allowed-local-media-path", str(media), "--log-level", "warning"),
                           base, 300, stdout=subprocess.DEVNULL, stderr=open(media / "server.log", "wb"))
     try:
         statuses: dict[str, Counter] = defaultdict(Counter)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -25,6 +26,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_command(artifact: str | Path, port: int, *flags: str) -> list[str]:
+    """`systemone serve ARTIFACT` on the CPU at loopback `port`, with `flags`, run by this Python."""
+    return [sys.executable, "-m", "systemone.cli", "serve", str(artifact), "--device", "cpu", "--port", str(port),
+            *flags]
 
 
 def start_server(command: Sequence[str], base: str, within_s: float, **popen: Any) -> subprocess.Popen:

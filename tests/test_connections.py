@@ -8,12 +8,11 @@ import gzip
 import json
 import socket
 import subprocess
-import sys
 import time
 
 import httpx
 
-from systemone.local_server import free_port, start_server
+from systemone.local_server import free_port, serve_command, start_server
 from systemone.server.app import ServerOptions
 from systemone.server.connections import guarded_protocol
 from tests.live_server import live_server
@@ -150,8 +149,7 @@ def test_gzip_bodies_with_trailing_data_are_400(d3_service):
 def test_log_level_trace_serves(d3_artifact):
     port = free_port()
     # Fails with the server's stderr unless its first /health answers; the second is after it logged the first.
-    server = start_server([sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu",
-                           "--port", str(port), "--log-level", "trace"],
+    server = start_server(serve_command(d3_artifact, port, "--log-level", "trace"),
                           f"http://127.0.0.1:{port}", 120, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
@@ -171,8 +169,7 @@ def test_half_open_connections_past_the_cap_neither_wedge_the_server_nor_flood_i
     def few_descriptors():
         resource.setrlimit(resource.RLIMIT_NOFILE, (272, 272))
 
-    server = start_server([sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu",
-                           "--port", str(port), "--header-timeout", "2"],
+    server = start_server(serve_command(d3_artifact, port, "--header-timeout", "2"),
                           f"http://127.0.0.1:{port}", 120, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           preexec_fn=few_descriptors)
     sockets = []
