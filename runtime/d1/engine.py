@@ -42,6 +42,11 @@ def shared_prefix(prompts: list[list[int]]) -> int:
     return min(length, shortest - 1)
 
 
+def readouts(label_ids: list[int], logprobs: np.ndarray, argmax: np.ndarray) -> list[Readout]:
+    """One readout per row of a read: its log-probabilities at `label_ids` and its greedy token."""
+    return [Readout(dict(zip(label_ids, row.tolist())), int(top)) for row, top in zip(logprobs, argmax, strict=True)]
+
+
 class D1Engine(Engine):
     # A one-question text request is one row (its whole prompt from an empty state) and shares calls with other
     # requests' rows; a request with images or several questions runs whole, its shared prefix prefilled once
@@ -185,7 +190,7 @@ class D1Engine(Engine):
             logprobs, argmax = self.runner.suffix_logprobs(snapshot, [p[split:] for p in ids], label_ids, run_options)
         else:
             logprobs, argmax = self.runner.whole_logprobs(ids, label_ids, media, run_options)
-        return [Readout(dict(zip(label_ids, row.tolist())), int(top)) for row, top in zip(logprobs, argmax)]
+        return readouts(label_ids, logprobs, argmax)
 
     # -- work the scheduler splits (runtime/scheduler.py) -----------------------------------------------------
     def encode_media(self, prepared: Prepared, run_options: Any = None) -> np.ndarray | None:
@@ -206,7 +211,7 @@ class D1Engine(Engine):
         # One call reads every row's labels: each row's read picks its own from the union.
         label_ids = sorted({i for row in rows for i in row.label_ids})
         logprobs, argmax = self.runner.read_prompts([row.token_ids for row in rows], label_ids, run_options)
-        return [Readout(dict(zip(label_ids, row.tolist())), int(top)) for row, top in zip(logprobs, argmax)]
+        return readouts(label_ids, logprobs, argmax)
 
     def probe_row(self, length: int) -> TextRow:
         return TextRow([0] * length, label_ids=(0,))

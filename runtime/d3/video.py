@@ -228,8 +228,8 @@ def qwen_video(frames: np.ndarray, patch: int, merge: int, temporal: int, mean: 
                std: tuple[float, ...], pool: Executor | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Sampled frames -> (pixel_values rows, grid (t, h, w)): resize every frame to one size, normalize, pad to
     an even count with the last frame, patchify (temporal groups first). With `pool`, the frames are resized in
-    its threads (numpy releases the GIL in the resize's loops: 20 720p frames took 202 ms in one thread and 134 ms
-    in two on two cores)."""
+    its threads (numpy releases the GIL in the resize's loops: the seeds' 20 720p frames took 206-214 ms in one
+    thread and 154-159 ms in two on two cores, scripts/results/video_frame_threads_cpu_d3_tiny.txt)."""
     height, width = video_size(len(frames), frames.shape[1], frames.shape[2], patch * merge, temporal)
     resize = partial(resize_bicubic, height=height, width=width)
     resized = np.stack(list(pool.map(resize, frames)) if pool is not None else [resize(f) for f in frames])
