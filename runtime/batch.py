@@ -25,6 +25,21 @@ def attention_bytes(batch: int, length: int, past: int, heads: int) -> int:
 
 
 @dataclass(frozen=True)
+class CallCost:
+    """A text-graph call's time, modelled as a fixed part (kernel launches, the weights read once, copies) and a
+    part per padded token; fitted at start-up (runtime/batch_sizing.py)."""
+
+    fixed_s: float
+    token_s: float
+
+    def seconds(self, batch: int, length: int) -> float:
+        return self.fixed_s + self.token_s * batch * length
+
+    def describe(self) -> str:
+        return f"{self.fixed_s * 1000:.2f} ms a call + {self.token_s * 1e6:.2f} us a padded token"
+
+
+@dataclass(frozen=True)
 class BatchBudget:
     max_batch_tokens: int = 32768
     attention_budget: int = 4 << 30
@@ -45,17 +60,35 @@ class BatchBudget:
             n *= 2
         return n
 
-    def plan(self, lengths: Sequence[int], past: int = 0, min_fill: float = 0.0) -> list[list[int]]:
-        """Row indices per graph call, longest first, each batch within both budgets; a row shorter than
-        `min_fill` of its batch's longest starts a new batch (padded positions cost as much as real ones)."""
-        batches: list[list[int]] = []
-        for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-            longest = lengths[batches[-1][0]] if batches else 0
-            if (batches and lengths[index] >= min_fill * longest
-                    and self.fits(len(batches[-1]) + 1, longest, past)):
-                batches[-1].append(index)
-            else:
-                batches.append([index])
+    def plan(self, lengths: Sequence[int], past: int = 0, cost: CallCost | None = None) -> list[list[int]]:
+        """Row indices per graph call, longest first, each call within both budgets. With a measured `cost`, the
+        grouping the cost model says is fastest (a call's fixed part against the padding it saves); without, each
+        call filled as far as the budgets allow."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        if cost is None:
+            batches: list[list[int]] = []
+            for index in order:
+                if batches and self.fits(len(batches[-1]) + 1, lengths[batches[-1][0]], past):
+                    batches[-1].append(index)
+                else:
+                    batches.append([index])
+            return batches
+        # Sorted longest first, a best grouping takes consecutive runs (a run is padded to its first row), so the
+        # best split of the first j rows is the best split of some shorter head plus one run.
+        best = [0.0] + [float("inf")] * len(order)
+        start = [0] * (len(order) + 1)
+        for end in range(1, len(order) + 1):
+            for first in range(end - 1, -1, -1):
+                size, longest = end - first, lengths[order[first]]
+                if size > 1 and not self.fits(size, longest, past):
+                    break  # a longer run holds this one: it does not fit either
+                seconds = best[first] + cost.seconds(size, longest)
+                if seconds <= best[end]:  # a tie goes to the longer run: fewer calls
+                    best[end], start[end] = seconds, first
+        batches, end = [], len(order)
+        while end:
+            batches.insert(0, order[start[end]:end])
+            end = start[end]
         return batches
 
 

@@ -3,7 +3,8 @@
 Batching pays where the device has parallel work to spare (a GPU) and costs where it has not (the tiny d3 graph on
 two CPU cores: one question alone took 7.8 ms, 16.2 ms a question in a batch of 16). So the scheduler does not
 guess: the text graph is timed at 1, 2, 4, ... rows of a typical length, and the largest batch that still raised
-questions/s by a clear margin is kept.
+questions/s by a clear margin is kept. The same timings give the call's cost model (a fixed part and a part per
+padded token), by which an engine groups one request's rows of different lengths into calls (`BatchBudget.plan`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from .batch import CallCost
 from .engine import Engine
 
 TYPICAL_LENGTH = 128  # tokens a row while timing: about a short state and one question
@@ -27,11 +31,33 @@ class BatchSizing:
     length: int = TYPICAL_LENGTH
     seconds: dict[int, float] = field(default_factory=dict)  # one call's fastest time at each batch size tried
 
+    @property
+    def cost(self) -> CallCost | None:
+        """The call's cost model fitted to the timings (None with fewer than two batch sizes timed)."""
+        return fit_call_cost({batch * self.length: s for batch, s in self.seconds.items()})
+
     def describe(self) -> str:
         if not self.seconds:
             return f"{self.rows} (set by flag, or the engine runs each request whole)"
         tried = ", ".join(f"{b}: {s * 1000 / b:.2f}" for b, s in self.seconds.items())
-        return f"{self.rows} (measured at {self.length} tokens, ms a question by rows a call: {tried})"
+        cost = self.cost
+        model = f"; a call costs {cost.describe()}" if cost is not None else ""
+        return f"{self.rows} (measured at {self.length} tokens, ms a question by rows a call: {tried}{model})"
+
+
+def fit_call_cost(seconds_by_tokens: dict[int, float]) -> CallCost | None:
+    """The fixed and per-token parts of a call's time, fitted to (padded tokens, seconds) by least squares on the
+    relative error, so the one-row call that fixes the fixed part weighs as much as the largest; neither part is
+    negative."""
+    if len(seconds_by_tokens) < 2:
+        return None
+    x = np.array(list(seconds_by_tokens), dtype=np.float64)
+    t = np.array(list(seconds_by_tokens.values()), dtype=np.float64)
+    w = 1.0 / t**2
+    sw, sx, st = w.sum(), (w * x).sum(), (w * t).sum()
+    sxx, sxt = (w * x * x).sum(), (w * x * t).sum()
+    token_s = max(0.0, (sw * sxt - sx * st) / (sw * sxx - sx * sx))
+    return CallCost(fixed_s=max(0.0, (st - token_s * sx) / sw), token_s=token_s)
 
 
 def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int = MOST_ROWS,

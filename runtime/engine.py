@@ -22,7 +22,7 @@ from ..models.family import Family, Labels, Readout
 from ..models.questions import Question
 from ..models.request import DecisionRequest
 from .artifact import Artifact
-from .batch import BatchBudget, TextRow
+from .batch import BatchBudget, CallCost, TextRow
 from .media_encoder import LoadedMedia, MediaEncoder
 from .media_fetch import FetchPolicy
 from .prompt import RenderedPrompt
@@ -85,6 +85,10 @@ class Engine(ABC):
     def runs_whole(self, prepared: Prepared) -> bool:
         """Whether the scheduler runs this request with `run`, on its own, rather than as rows sharing calls."""
         return not self.shares_batches
+
+    def use_call_cost(self, cost: CallCost) -> None:
+        """The text graph's call cost measured at start-up (runtime/batch_sizing.py), by which the engine groups
+        rows of different lengths into calls; an engine that plans no calls of its own ignores it."""
 
     # -- rows that share batches across requests (engines with `shares_batches`) ----------------------------
     def encode_media(self, prepared: Prepared, run_options: Any = None) -> Any:

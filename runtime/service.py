@@ -100,6 +100,8 @@ class DecisionService:
         """How many rows a text-graph call takes on this device, measured once (runtime/batch_sizing.py)."""
         if self._batch_sizing is None:
             self._batch_sizing = measure_batch_rows(self.engine)
+            if self._batch_sizing.cost is not None:
+                self.engine.use_call_cost(self._batch_sizing.cost)
         return self._batch_sizing
 
     # -- validation (spec 1.3 steps 1-8) ---------------------------------------------------------------------

@@ -182,6 +182,10 @@ def bench_form(work: Workload, token_batches: dict[tuple[int, int], np.ndarray],
     label = f"{service.form} (cuda graphs)" if service.captures else service.form
     report: dict[str, Any] = {"provider": service.provider, "graph_bytes": form_bytes(service.artifact),
                               "batches": [], "requests": {}}
+    # Measured as serve measures it at start-up: the rows a shared call takes and the cost model by which a
+    # request's questions are grouped into calls.
+    report["batch_sizing"] = service.batch_sizing().describe()
+    log(f"{label:>10s} batch rows: {report['batch_sizing']}")
     outputs: dict[tuple[int, int], np.ndarray] = {}
     for (b, n), ids in token_batches.items():
         def run_runtime(ids: np.ndarray = ids, key: tuple[int, int] = (b, n)) -> None:

@@ -18,7 +18,7 @@ from ...models.family import Readout
 from ...models.questions import QUESTION_TYPES, Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
-from ..batch import BatchBudget, TextRow
+from ..batch import BatchBudget, CallCost, TextRow
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
@@ -198,6 +198,9 @@ class D1Engine(Engine):
         text calls, then the request runs whole on them)."""
         images: LoadedMedia[Lfm2Image] | None = prepared.media
         return None if images is None else self.media.encode(images, run_options)
+
+    def use_call_cost(self, cost: CallCost) -> None:
+        self.runner.cost = cost
 
     def runs_whole(self, prepared: Prepared) -> bool:
         return (prepared.media is not None or len(prepared.prompts) != 1

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from ..batch import BatchBudget, MediaRows, pad_right
+from ..batch import BatchBudget, CallCost, MediaRows, pad_right
 from ..session import GraphSession
 
 
@@ -56,16 +56,15 @@ class Snapshot:
 
 READS = ("label_logprobs", "argmax")  # the text graph's outputs a read fetches; its new state is the rest
 
-# A row shorter than this fraction of its batch's longest starts a new batch: padded positions cost as much as
-# real ones, and the questions' suffixes differ a lot in length (a 26-option choice against a yes/no).
-MIN_FILL = 0.75
-
 
 class D1TextRunner:
     def __init__(self, session: GraphSession, layout: StateLayout, budget: BatchBudget):
         self.session = session
         self.layout = layout
         self.budget = budget
+        # How calls are grouped (`BatchBudget.plan`): the questions' suffixes differ a lot in length (a 26-option
+        # choice against a yes/no), and a call's fixed part weighs against padding differently on each device.
+        self.cost: CallCost | None = None
         self.past_names = layout.names("past")
         self.new_names = layout.names("new")
 
@@ -150,7 +149,7 @@ class D1TextRunner:
             keep = self.budget.chunk_length(snapshot.length + n)  # the last chunk, read on the extended state
             own = self.extend(snapshot, suffix[:n - keep], run_options=run_options)
             logprobs[[index]], argmax[[index]] = self._run_rows(own, [suffix[n - keep:]], labels, None, run_options)
-        batches = self.budget.plan([len(suffixes[i]) for i in fitting], snapshot.length, MIN_FILL)
+        batches = self.budget.plan([len(suffixes[i]) for i in fitting], snapshot.length, self.cost)
         # The prefix's state goes to the device once, not once a batch.
         snapshot = Snapshot(snapshot.length, self.session.device_values(snapshot.states))
         for batch in batches:
@@ -173,7 +172,7 @@ class D1TextRunner:
         logprobs = np.zeros((len(prompts), len(labels)), np.float32)
         argmax = np.zeros((len(prompts),), np.int64)
         empty = self.empty()
-        for rows in self.budget.plan([len(p) for p in prompts], 0, MIN_FILL):
+        for rows in self.budget.plan([len(p) for p in prompts], 0, self.cost):
             logprobs[rows], argmax[rows] = self._run_rows(empty, [prompts[i] for i in rows], labels, media,
                                                           run_options)
         return logprobs, argmax

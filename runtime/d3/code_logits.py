@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...models.errors import DeviceMemoryExhausted
-from ..batch import BatchBudget, MediaRows, TextRow, pad_right
+from ..batch import BatchBudget, CallCost, MediaRows, TextRow, pad_right
 from ..session import GraphSession
 
 
@@ -43,6 +43,7 @@ class CodeLogitsRunner:
         self.session = session
         self.budget = budget
         self.hidden = hidden
+        self.cost: CallCost | None = None  # how rows of different lengths are grouped (`BatchBudget.plan`)
 
     def run_batch(self, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
         """One graph call: code logits [len(rows), n_codes] float32, in row order. Text-only rows that fit a
@@ -85,7 +86,7 @@ class CodeLogitsRunner:
     def run_rows(self, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
         """Code logits [len(rows), n_codes] float32, in row order, in padded sub-batches within the budget."""
         out: list[np.ndarray | None] = [None] * len(rows)
-        groups = self.budget.plan([row.length for row in rows])
+        groups = self.budget.plan([row.length for row in rows], cost=self.cost)
         while groups:
             group = groups.pop(0)
             try:

@@ -13,7 +13,7 @@ from ...models.family import Readout
 from ...models.questions import Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
-from ..batch import BatchBudget, MediaRows, TextRow
+from ..batch import BatchBudget, CallCost, MediaRows, TextRow
 from ..cuda_graphs import CaptureBuckets
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
@@ -112,6 +112,9 @@ class D3Engine(Engine):
         if media is None:
             return None
         return MediaRows(self.media.encode(media.loaded, run_options), media.positions)
+
+    def use_call_cost(self, cost: CallCost) -> None:
+        self.runner.cost = cost
 
     def rows(self, prepared: Prepared, encoded: MediaRows | None) -> list[TextRow]:
         return [TextRow(p.token_ids, p.positions, encoded) for p in prepared.prompts]

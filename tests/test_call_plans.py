@@ -1,0 +1,104 @@
+"""How one request's rows of different lengths are grouped into text-graph calls: by the call's cost as measured at
+start-up (a fixed part and a part per padded token), within the token and attention budgets."""
+
+import random
+
+import pytest
+
+from systemone.export.d1.answer_parity import sixteen_questions
+from systemone.runtime.artifact import Artifact
+from systemone.runtime.batch import BatchBudget, CallCost
+from systemone.runtime.batch_sizing import fit_call_cost
+from systemone.runtime.engine import EngineOptions
+from systemone.runtime.service import DecisionService
+
+
+def modelled_seconds(plan: list[list[int]], lengths: list[int], cost: CallCost) -> float:
+    return sum(cost.seconds(len(call), max(lengths[i] for i in call)) for call in plan)
+
+
+def partitions(items: list[int]):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for smaller in partitions(rest):
+        yield [[first], *smaller]
+        for k in range(len(smaller)):
+            yield smaller[:k] + [[first, *smaller[k]]] + smaller[k + 1:]
+
+
+def assert_covers_once_within_budget(plan: list[list[int]], lengths: list[int], budget: BatchBudget,
+                                     past: int = 0) -> None:
+    assert sorted(i for call in plan for i in call) == list(range(len(lengths)))
+    for call in plan:
+        assert len(call) == 1 or budget.fits(len(call), max(lengths[i] for i in call), past)
+
+
+def test_without_a_measured_cost_each_call_is_filled_as_far_as_the_budget_allows():
+    budget = BatchBudget(max_batch_tokens=120)
+    lengths = [10, 60, 30, 50, 5]
+    plan = budget.plan(lengths)
+    assert plan == [[1, 3], [2, 0, 4]]
+    assert_covers_once_within_budget(plan, lengths, budget)
+
+
+def test_a_calls_fixed_cost_merges_rows_of_different_lengths_and_padding_splits_them():
+    budget = BatchBudget(max_batch_tokens=10_000)
+    lengths = [130, 20, 115, 20, 29, 130]
+    launch_bound = CallCost(fixed_s=10e-3, token_s=1e-6)  # a big model's call on a GPU: launches dominate
+    assert budget.plan(lengths, cost=launch_bound) == [[0, 5, 2, 4, 1, 3]]
+    compute_bound = CallCost(fixed_s=1e-9, token_s=1e-6)  # padding costs more than a call: equal lengths share
+    assert budget.plan(lengths, cost=compute_bound) == [[0, 5], [2], [4], [1, 3]]
+
+
+def test_the_plan_is_the_fastest_grouping_the_cost_model_allows():
+    rng = random.Random(0)
+    for _ in range(60):
+        lengths = [rng.randint(1, 200) for _ in range(rng.randint(1, 7))]
+        past = rng.choice([0, 500])
+        budget = BatchBudget(max_batch_tokens=rng.choice([200, 400, 2000]),
+                             attention_budget=rng.choice([1 << 20, 8 << 20]), heads=2)
+        cost = CallCost(fixed_s=rng.uniform(0, 5e-3), token_s=rng.uniform(1e-6, 5e-5))
+        plan = budget.plan(lengths, past, cost)
+        assert_covers_once_within_budget(plan, lengths, budget, past)
+        allowed = [p for p in partitions(list(range(len(lengths))))
+                   if all(len(c) == 1 or budget.fits(len(c), max(lengths[i] for i in c), past) for c in p)]
+        fastest = min(modelled_seconds(p, lengths, cost) for p in allowed)
+        assert modelled_seconds(plan, lengths, cost) == pytest.approx(fastest, rel=1e-12)
+
+
+def test_the_call_cost_is_fitted_to_the_start_up_timings():
+    exact = {tokens: 2e-3 + 8e-6 * tokens for tokens in (128, 256, 512, 1024, 8192)}
+    cost = fit_call_cost(exact)
+    assert cost.fixed_s == pytest.approx(2e-3) and cost.token_s == pytest.approx(8e-6)
+    # One batch size timed says nothing about the split; timings that fall with size give no negative part.
+    assert fit_call_cost({128: 1e-3}) is None
+    falling = fit_call_cost({128: 3e-3, 256: 2e-3})
+    assert falling.fixed_s >= 0 and falling.token_s == 0
+
+
+def test_the_start_up_measurement_gives_the_engine_its_cost_and_no_grouping_changes_an_answer(d1_artifact):
+    """Measured on the tiny d1 model on CPU, then the sixteen-question request (suffixes of 20 to 130 tokens on
+    one shared prefix) read with its calls filled to the budget, grouped by the measured cost, and one call per
+    length: the same answers (fp32 graphs: within 1e-5)."""
+    service = DecisionService(Artifact.load(d1_artifact), EngineOptions(device="cpu"))
+    body = sixteen_questions(with_image=False)
+    filled = service.decide(body)["answers"]
+    sizing = service.batch_sizing()
+    assert sizing.cost is not None and sizing.cost.token_s > 0
+    assert service.engine.runner.cost == sizing.cost
+    assert "a call costs" in sizing.describe()
+    measured = service.decide(body)["answers"]
+    service.engine.use_call_cost(CallCost(fixed_s=1e-9, token_s=1e-6))
+    per_length = service.decide(body)["answers"]
+    for qid, answer in filled.items():
+        for option, probability in answer["probabilities"].items():
+            assert measured[qid]["probabilities"][option] == pytest.approx(probability, abs=1e-5)
+            assert per_length[qid]["probabilities"][option] == pytest.approx(probability, abs=1e-5)
+
+
+def test_partitions_helper_counts_bell_numbers():
+    # The brute force above must see every grouping: Bell(5) = 52 set partitions.
+    assert sum(1 for _ in partitions(list(range(5)))) == 52
+    assert len({tuple(sorted(tuple(sorted(c)) for c in p)) for p in partitions(list(range(5)))}) == 52
