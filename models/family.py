@@ -18,7 +18,7 @@ from typing import Any
 from .questions import Question, Read
 from .request import DecisionRequest
 
-Encode = Callable[[str], list[int]]
+Encode = Callable[[str], Sequence[int]]
 
 
 @dataclass(frozen=True)
