@@ -9,6 +9,8 @@
 #                                                       gate's questions
 #   bash scripts/gpu_bench.sh bench SIZE MODE [FORMS]   `systemone bench` on CUDA, onnxruntime's and the GPU's profile
 #                                                       of the text graph and (d3) the media requests' stages
+#   bash scripts/gpu_bench.sh media SIZE MODE           (d3) the media requests' stages alone; on the tiny model
+#                                                       the fetch, decode and preprocessing rows are d3-nano's
 # FORMS: comma-separated form names (default: every one the family declares / the artifact has for CUDA).
 # BENCH_ARGS: more `systemone bench` flags (e.g. "--repeats 5 --request-repeats 20" where the lease is short).
 set -euo pipefail
@@ -26,6 +28,11 @@ checkpoint() {  # a random-init checkpoint of $size, once per warm machine
       *) python3 "$repo/scripts/build_d3_checkpoint.py" "$work/checkpoint" --size "$size" --attention-mode "$mode" ;;
     esac
   fi
+}
+media_timing() {  # where one image and one video request of the seeds' mix spend their time
+  python3 "$repo/scripts/media_timing.py" "$work/artifact" --device cuda --repeats 5 --mp4 \
+    > "$out/media_timing_${size}_${mode}.txt" 2> "$out/media_timing.log" && cat "$out/media_timing_${size}_${mode}.txt" \
+    || { echo "media timing failed"; tail -5 "$out/media_timing.log"; }
 }
 case "$step" in
 checkpoint)
@@ -56,14 +63,13 @@ bench)
 print(sys.argv[2], r['form'], 'gpu ms/run', round(k.get('gpu_ms_per_run',0),2), 'kernels/run', k.get('kernels_per_run'), \
 {f: round(v['ms'],2) for f,v in k.get('by_family',{}).items()})" "$out/profile_${size}_${mode}_b${shape}.json" $shape || true
   done
-  case "$size" in d1*) ;; *)  # where one image and one video request of the seeds' mix spend their time
-    python3 "$repo/scripts/media_timing.py" "$work/artifact" --device cuda --repeats 5 \
-      > "$out/media_timing_${size}_${mode}.txt" 2> /dev/null && cat "$out/media_timing_${size}_${mode}.txt" \
-      || echo "media timing failed" ;;
-  esac
+  case "$size" in d1*) ;; *) media_timing ;; esac
   python3 -m systemone.cli bench "$work/checkpoint" --artifact "$work/artifact" --device cuda \
     ${forms:+--forms ${forms//,/ }} ${BENCH_ARGS:-} --out "$out/bench_${size}_${mode}.json" 2>&1 | quiet \
     | grep -v '^ \|^{\|^}'
+  ;;
+media)
+  media_timing
   ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac
