@@ -54,11 +54,12 @@ class BatchBudget:
         return int((self.attention_budget / attention_bytes(1, 1, 0, self.heads)) ** 0.5)
 
     def chunk_length(self, past: int) -> int:
-        """The longest power-of-two run of new tokens one row may add after `past` tokens within both budgets."""
-        n = 1
-        while self.fits(1, n * 2, past):
-            n *= 2
-        return n
+        """The longest run of new tokens one row may add after `past` tokens within both budgets (at least one)."""
+        low, high = 1, self.max_batch_tokens
+        while low < high:  # fits() falls as the run grows
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.fits(1, mid, past) else (low, mid - 1)
+        return low
 
     def plan(self, lengths: Sequence[int], past: int = 0, cost: CallCost | None = None) -> list[list[int]]:
         """Row indices per graph call, longest first, each call within both budgets. With a measured `cost`, the

@@ -102,3 +102,16 @@ def test_partitions_helper_counts_bell_numbers():
     # The brute force above must see every grouping: Bell(5) = 52 set partitions.
     assert sum(1 for _ in partitions(list(range(5)))) == 52
     assert len({tuple(sorted(tuple(sorted(c)) for c in p)) for p in partitions(list(range(5)))}) == 52
+
+
+def test_a_prefix_chunk_is_the_longest_run_the_budget_allows_not_a_power_of_two():
+    """d1-3B's 16-question request with a 1024x1024 image has a 2,169-token prefix: within 4 GiB of attention at
+    32 heads it fits one call, so its state never leaves the device (as powers of two it took 2,048 + 121 tokens,
+    and the state of two chunks made a round trip through host memory: 113 -> 65 ms on the H200)."""
+    budget = BatchBudget(max_batch_tokens=32768, attention_budget=4 << 30, heads=32)
+    for past in (0, 700, 2169, 20_000):
+        n = budget.chunk_length(past)
+        assert budget.fits(1, n, past) and not budget.fits(1, n + 1, past)
+    assert budget.chunk_length(0) >= 2169
+    assert BatchBudget(max_batch_tokens=100).chunk_length(0) == 100
+    assert BatchBudget(attention_budget=1).chunk_length(0) == 1  # never less than a token

@@ -55,6 +55,9 @@ class Snapshot:
 
 
 READS = ("label_logprobs", "argmax")  # the text graph's outputs a read fetches; its new state is the rest
+# Before start-up measures a call (or where nothing does: export's gates, `ask`): a call's fixed part worth 32
+# padded tokens, so a 26-option choice's suffix and a yes/no's go in separate calls, as on a CPU.
+UNMEASURED_COST = CallCost(fixed_s=32e-6, token_s=1e-6)
 
 
 class D1TextRunner:
@@ -64,7 +67,7 @@ class D1TextRunner:
         self.budget = budget
         # How calls are grouped (`BatchBudget.plan`): the questions' suffixes differ a lot in length (a 26-option
         # choice against a yes/no), and a call's fixed part weighs against padding differently on each device.
-        self.cost: CallCost | None = None
+        self.cost: CallCost | None = UNMEASURED_COST
         self.past_names = layout.names("past")
         self.new_names = layout.names("new")
 
