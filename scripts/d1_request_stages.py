@@ -1,0 +1,111 @@
+"""Where a d1 request with an image spends its time: the bench's 16-question request with a 1024x1024 image, stage
+by stage, and inside its image, the decode, the LFM2-VL processor and the vision graph.
+
+Stages, in the order a request runs them: validate; load_media (fetch, decode, cap and the processor, in the media
+pool); prepare_loaded (prompts rendered and tokenized, labels); encode_media (the vision graph over every crop);
+prefill (the shared prefix, images included, on an empty state); suffix_reads (the 16 questions on that state);
+whole_run (encode, prefill and reads as `Engine.run` does them). Medians leave out the first two requests.
+
+    python scripts/d1_request_stages.py ARTIFACT [--device cuda] [--requests 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from systemone.export.d1.answer_parity import sixteen_questions
+from systemone.export.sample_media import image_url
+from systemone.runtime.artifact import Artifact
+from systemone.runtime.d1.cells import unshuffle_order
+from systemone.runtime.d1.engine import shared_prefix
+from systemone.runtime.d1.image_processor import cap_pixels, lfm2_image
+from systemone.runtime.d1.images import media_rows
+from systemone.runtime.engine import EngineOptions
+from systemone.runtime.media_decode import decode_image
+from systemone.runtime.service import DecisionService
+
+
+def median_ms(fn: Callable[[], Any], repeats: int = 7) -> str:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return f"{np.median(times):.2f} ms"
+
+
+def request_stages(service: DecisionService, requests: int) -> None:
+    engine = service.engine
+    image = image_url(1024, 1024, seed=7)
+    stages: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = fn()
+        stages.setdefault(name, []).append((time.perf_counter() - start) * 1000)
+        return result
+
+    for i in range(requests):
+        body = sixteen_questions(with_image=False)
+        body["state"]["tier"] = f"gold-{i}"  # a new prompt each time, as the bench sends
+        body["images"] = [image]
+        request, questions = timed("validate", lambda: service.validate(body))
+        media = timed("load_media", lambda: service.load_media(request))
+        prepared = timed("prepare_loaded", lambda: service.prepare_loaded(request, questions, media))
+        encoded = timed("encode_media", lambda: engine.encode_media(prepared))
+        ids = [p.token_ids for p in prepared.prompts]
+        split = shared_prefix(ids)
+        rows = media_rows(ids[0], engine.image_token_id, encoded)
+        snapshot = timed("prefill", lambda: engine.runner.extend(engine.runner.empty(), ids[0][:split], rows))
+        label_ids = sorted({x for labels in prepared.labels for x in labels.ids})
+        timed("suffix_reads", lambda: engine.runner.suffix_logprobs(snapshot, [p[split:] for p in ids], label_ids))
+        timed("whole_run", lambda: engine.run(prepared))
+    print(f"prefix {split} tokens, vision rows {encoded.shape}")
+    for name, times in stages.items():
+        print(f"{name:15s} median {np.median(times[2:]):8.2f} ms  min {min(times[2:]):8.2f}")
+
+
+def image_stages(service: DecisionService) -> None:
+    encoder = service.engine.media
+    data = base64.b64decode(image_url(1024, 1024, seed=7).split(",", 1)[1])
+    rgb = decode_image(data, "image")
+    print("decode (PNG)", median_ms(lambda: decode_image(data, "image")))
+    capped = np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)
+    print("cap", median_ms(lambda: np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)))
+    image = lfm2_image(capped, encoder.config)
+    print("lfm2_image", median_ms(lambda: lfm2_image(capped, encoder.config)), [c.grid for c in image.crops])
+    print("vision rows, all crops", median_ms(lambda: encoder.rows(image, None)))
+    for grid in sorted({c.grid for c in image.crops}):
+        crops = [c for c in image.crops if c.grid == grid]
+        order = unshuffle_order(*grid, encoder.config.downsample_factor)
+        patches = np.stack([c.patches[order] for c in crops])
+        positions = encoder.positions(*grid)
+        feeds = {"patches": patches, "positions": positions}
+        print(f"grid {grid}: {len(crops)} crops, patches {patches.shape}, vision graph run",
+              median_ms(lambda: encoder.session.run(feeds)))
+        print("  position table resized (uncached)", median_ms(lambda: encoder._positions(*grid)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--requests", type=int, default=12)
+    args = parser.parse_args()
+    service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
+    print(f"{args.artifact} on {service.provider}, form {service.form}")
+    print("batch rows", service.batch_sizing().describe())
+    request_stages(service, args.requests)
+    image_stages(service)
+
+
+if __name__ == "__main__":
+    main()
