@@ -48,6 +48,8 @@ def test_export_writes_a_gated_half_precision_form(family, request):
     assert gate["clear_picks_differing"] == [] and gate["questions_with_clear_pick"] > 100
     assert gate["media_questions"] >= 40  # d3: images and short videos; d1: images
     assert gate["provider"] == "CPUExecutionProvider"  # no GPU here: the gate ran where export ran
+    # Its requests' questions were grouped into calls as serve groups them, by the start-up measurement.
+    assert "measured at" in gate["batch_rows"] and "a call costs" in gate["batch_rows"]
     # The portable graphs are untouched and still fp32.
     assert manifest["graphs"]["text"]["file"] == "text.onnx" and manifest["graphs"]["text"]["dtype"] == "float32"
 
