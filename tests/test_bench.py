@@ -33,6 +33,8 @@ def test_bench_compares_the_same_batches(family, request):
         for timing in form["requests"].values():
             assert 0 < timing["p50_ms"] <= timing["p99_ms"]
         assert form["gpu_memory_serving_mib"] is None  # no NVIDIA GPU here
+        # Requests are timed as serve answers them: after the start-up measurement that groups their calls.
+        assert "a call costs" in form["batch_sizing"]
     # d3's half-precision form is smaller on disk (its readout is tiny). d1's keeps its LM head fp32 beside the
     # fp16 embedding table it is tied to, which dominates a tiny model: there the form is larger (docs/gpu.md).
     if family == "d3":
