@@ -57,4 +57,4 @@ class MediaEncoder(ABC, Generic[Item]):
     def encode(self, media: LoadedMedia[Item], run_options: Any = None) -> np.ndarray:
         """Rows of every input in prompt order [rows, hidden] float32; each distinct input runs once."""
         encoded = {key: self.rows(item, run_options) for key, item in media.items.items()}
-        return np.concatenate([encoded[key] for key in media.keys]).astype(np.float32)
+        return np.concatenate([encoded[key] for key in media.keys]).astype(np.float32, copy=False)  # one copy, not two
