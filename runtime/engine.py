@@ -96,6 +96,11 @@ class Engine(ABC):
         before its rows join a batch."""
         raise NotImplementedError(f"{type(self).__name__} runs each request whole")
 
+    def encode_media_many(self, prepared: list[Prepared], run_options: Any = None) -> list[Any]:
+        """`encode_media` of several requests in one job (the scheduler's media batch), in order; an engine whose
+        encoder shares vision runs among requests shares them here."""
+        return [self.encode_media(p, run_options) for p in prepared]
+
     def rows(self, prepared: Prepared, encoded: Any) -> list[TextRow]:
         """One row per question, in question order, on the request's encoded media; no graph runs."""
         raise NotImplementedError(f"{type(self).__name__} runs each request whole")

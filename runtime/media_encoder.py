@@ -54,7 +54,19 @@ class MediaEncoder(ABC, Generic[Item]):
     def rows(self, item: Item, run_options: Any) -> np.ndarray:
         """The vision graph's rows [n, hidden] of one preprocessed input."""
 
+    def rows_many(self, items: list[Item], run_options: Any) -> list[np.ndarray]:
+        """The rows of several inputs (of one request or of several), in order; an encoder whose graph can take
+        several inputs in one run shares runs among them, others run them one by one."""
+        return [self.rows(item, run_options) for item in items]
+
     def encode(self, media: LoadedMedia[Item], run_options: Any = None) -> np.ndarray:
         """Rows of every input in prompt order [rows, hidden] float32; each distinct input runs once."""
-        encoded = {key: self.rows(item, run_options) for key, item in media.items.items()}
-        return np.concatenate([encoded[key] for key in media.keys]).astype(np.float32, copy=False)  # one copy, not two
+        return self.encode_many([media], run_options)[0]
+
+    def encode_many(self, medias: list[LoadedMedia[Item]], run_options: Any = None) -> list[np.ndarray]:
+        """`encode` for several requests' media at once (the media lane's batch), their vision runs shared where
+        `rows_many` shares them."""
+        keys = [(m, key) for m, media in enumerate(medias) for key in media.items]
+        rows = dict(zip(keys, self.rows_many([medias[m].items[key] for m, key in keys], run_options), strict=True))
+        return [np.concatenate([rows[m, key] for key in media.keys]).astype(np.float32, copy=False)  # one copy
+                for m, media in enumerate(medias)]

@@ -5,9 +5,11 @@ Requests arrive prepared (checked, media loaded, prompts tokenized). In the engi
 
 - a request its engine runs whole (`Engine.runs_whole`: d1's with images or several questions, whose prefix is
   prefilled once as its own state) is one job, after its vision job in the media lane where there is one;
-- otherwise a request with media first runs its vision graph, as a job of its own (in the media lane's thread
-  where there is one, so that no text call waits behind a vision run and the two graphs' runs overlap); then its
-  rows join the queue (a text-only request's rows join at once);
+- otherwise a request with media first runs its vision graph, in a vision job (in the media lane's thread where
+  there is one, so that no text call waits behind a vision run and the two graphs' runs overlap); then its rows
+  join the queue (a text-only request's rows join at once);
+- a vision job takes every request then waiting for one, up to MEDIA_BATCH, so their crops share the vision
+  graph's runs where the engine's encoder can share them (d1's crops of one grid, of any request);
 - rows of different requests share padded text-graph calls. Rows are taken in start-time fair order: a request
   arriving when the scheduler's virtual time is V has its rows at V, V+1, V+2, ... (V is the place of the last row
   taken), ties in arrival order. So requests waiting together take turns row by row: a request of 64 questions
@@ -44,6 +46,9 @@ from .engine import Engine, Prepared
 # The shortest row of a call is at least this fraction of its longest: a row much shorter waits for a call of its
 # own rather than pay for the padding.
 FILL = 0.5
+# Requests whose vision graphs one media job runs together (their crops share runs where the encoder can share
+# them): what waits is taken, up to this many, without waiting for more.
+MEDIA_BATCH = 8
 
 
 @dataclass(eq=False)
@@ -191,12 +196,12 @@ class Scheduler:
         if lane == MEDIA:
             if first_job is None:
                 return None, None
-            return self._job(first_job, lane), 0.0
+            return self._job(first_job, jobs, lane), 0.0
         candidates = sorted(((t.key(i), t, i) for t in self._tickets if t.stage == "rows"
                              for i in range(min(len(t.pending), self.batch_rows))), key=lambda c: c[0])
         if first_job is not None and (not candidates or first_job.key() <= candidates[0][0]):
             self._virtual = max(self._virtual, first_job.key()[0])
-            return self._job(first_job, lane), 0.0
+            return self._job(first_job, jobs, lane), 0.0
         if not candidates:  # every request's work is in flight
             return None, None
         call, full = self._group([(t, i) for _, t, i in candidates])
@@ -242,21 +247,21 @@ class Scheduler:
             longest, shortest = wide, narrow
         return call, full or len(call) == self.batch_rows
 
-    def _job(self, ticket: _Ticket, lane: str) -> Callable[[], None]:
-        """The ticket's whole run, or its vision job (then its rows queue, or its whole run waits its turn)."""
-        stage, ticket.stage = ticket.stage, "running"
+    def _job(self, first: _Ticket, jobs: list[_Ticket], lane: str) -> Callable[[], None]:
+        """`first`'s whole run, or the vision job of `first` and the other requests waiting for theirs."""
+        if first.stage == "whole":
+            return self._whole_job(first, lane)
+        waiting = sorted((t for t in jobs if t.stage == "media" and t is not first), key=_Ticket.key)
+        return self._media_job([first, *waiting[:MEDIA_BATCH - 1]], lane)
+
+    def _whole_job(self, ticket: _Ticket, lane: str) -> Callable[[], None]:
+        ticket.stage = "running"
 
         def run() -> None:
             options = self._start([ticket], lane)
-            readouts, rows, encoded = None, None, None
-            try:
-                if stage == "whole":  # `encoded` only where the media lane ran it (engines that encode apart)
-                    readouts = (self.engine.run(ticket.prepared, options) if ticket.encoded is None
-                                else self.engine.run(ticket.prepared, options, ticket.encoded))
-                elif self.engine.runs_whole(ticket.prepared):
-                    encoded = self.engine.encode_media(ticket.prepared, options)
-                else:
-                    rows = self.engine.rows(ticket.prepared, self.engine.encode_media(ticket.prepared, options))
+            try:  # `encoded` only where the media lane ran it (engines that encode apart)
+                readouts = (self.engine.run(ticket.prepared, options) if ticket.encoded is None
+                            else self.engine.run(ticket.prepared, options, ticket.encoded))
             except Exception as exc:  # noqa: BLE001 - the request's caller gets it (a stopped run included)
                 with self._cond:
                     del self._in_flight[lane]
@@ -264,14 +269,37 @@ class Scheduler:
                 return
             with self._cond:
                 del self._in_flight[lane]
-                if readouts is not None:
-                    ticket.readouts = list(readouts)
-                    self._finish(ticket)
-                    return
-                if rows is not None:
-                    self._queue_rows(ticket, rows)
-                else:  # its vision rows ready: its whole run takes its turn in the engine thread
-                    ticket.encoded, ticket.stage = encoded, "whole"
+                ticket.readouts = list(readouts)
+                self._finish(ticket)
+        return run
+
+    def _media_job(self, tickets: list[_Ticket], lane: str) -> Callable[[], None]:
+        """The vision graphs of several requests in one job (their crops sharing runs where the engine can);
+        then each request's rows queue, or its whole run waits its turn in the engine thread."""
+        for ticket in tickets:
+            ticket.stage = "running"
+
+        def run() -> None:
+            options = self._start(tickets, lane)
+            try:
+                encoded = self.engine.encode_media_many([t.prepared for t in tickets], options)
+                # Each request's next step: its whole run on its vision rows, or its rows.
+                steps = [(ticket, out, None if self.engine.runs_whole(ticket.prepared)
+                          else self.engine.rows(ticket.prepared, out))
+                         for ticket, out in zip(tickets, encoded, strict=True)]
+            except Exception as exc:  # noqa: BLE001 - every request in the job gets it (a stopped run included)
+                with self._cond:
+                    del self._in_flight[lane]
+                    for ticket in tickets:
+                        self._finish(ticket, error=exc)
+                return
+            with self._cond:
+                del self._in_flight[lane]
+                for ticket, out, rows in steps:
+                    if rows is not None:
+                        self._queue_rows(ticket, rows)
+                    else:
+                        ticket.encoded, ticket.stage = out, "whole"
                 self._cond.notify_all()  # the engine thread may be waiting with nothing else to do
         return run
 

@@ -108,6 +108,10 @@ class SlowVision(Recording):
         time.sleep(1.0)
         return self._engine.encode_media(prepared, run_options)
 
+    def encode_media_many(self, prepared, run_options=None):  # the scheduler's vision job
+        time.sleep(1.0)
+        return self._engine.encode_media_many(prepared, run_options)
+
     def run(self, prepared, run_options=None, encoded=None):
         # A request run whole without the media lane encodes its media inside its run: through the slow graph too.
         return self._engine.run(prepared, run_options, encoded if encoded is not None
@@ -138,6 +142,65 @@ def test_in_a_media_lane_a_vision_run_holds_back_no_text_request(family, media_l
     assert alone.keys() == shared.keys() and max(abs(alone[k] - shared[k]) for k in alone) <= 1e-5
     scheduler.close(timeout=30)
     assert scheduler.waiting == 0
+
+
+class CountingVision(SlowVision):
+    """The real engine, its vision jobs taking a second longer and counted by the requests each one encoded."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine)
+        self.jobs: list[int] = []
+
+    def encode_media_many(self, prepared, run_options=None):
+        self.jobs.append(len(prepared))
+        return super().encode_media_many(prepared, run_options)
+
+
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_image_requests_waiting_together_share_one_vision_job_and_answer_as_alone(family, request):
+    """While one image request's vision graph runs, three more arrive: the next vision job takes all three (d1's
+    crops of one grid share the graph's runs), and each answers as it does alone."""
+    service = request.getfixturevalue(f"{family}_service")
+    engine = CountingVision(service.engine)
+    scheduler = Scheduler(engine, batch_rows=4, batch_wait_s=0.0, media_lane=True)
+    sizes = [(96, 80), (64, 48), (96, 80), (40, 72)]
+    prepared = [service.prepare(body(f"photo {i}", 1 + i % 2, images=[data_url(gradient_png(w, h))]))
+                for i, (w, h) in enumerate(sizes)]
+    futures = [scheduler.submit(prepared[0], Deadline())]
+    time.sleep(0.2)  # the first vision job has begun
+    futures += [scheduler.submit(p, Deadline()) for p in prepared[1:]]
+    for one, future in zip(prepared, futures, strict=True):
+        alone, shared = probabilities(service.answer(one)), probabilities(service.respond(one, future.result(60)))
+        assert alone.keys() == shared.keys() and max(abs(alone[k] - shared[k]) for k in alone) <= 1e-5
+    assert engine.jobs == [1, 3]
+    scheduler.close(timeout=30)
+
+
+def test_d1_crops_of_several_images_share_vision_runs_with_the_same_rows(d1_service):
+    """Two images of one size (different pixels) and a third of another: crops of one grid run together, so fewer
+    vision runs than image by image; each crop attends only to its own patches, so its rows are those it gets
+    alone."""
+    encoder = d1_service.engine.media
+    pngs = [gradient_png(96, 80, seed=1), gradient_png(96, 80, seed=2), gradient_png(40, 72)]
+    images = [d1_service.prepare(body("x", 1, images=[data_url(png)])).media.in_order()[0] for png in pngs]
+    assert images[0].crops[0].grid == images[1].crops[0].grid != images[2].crops[0].grid
+    runs = []
+    real_run = encoder.session.run
+
+    def counting_run(feeds, run_options=None):
+        runs.append(feeds["patches"].shape[0])
+        return real_run(feeds, run_options)
+
+    encoder.session.run = counting_run
+    try:
+        alone = [encoder.rows(image, None) for image in images]
+        runs_alone, runs[:] = len(runs), []
+        together = encoder.rows_many(images, None)
+    finally:
+        del encoder.session.run
+    assert len(runs) == runs_alone - 1 and sum(runs) == sum(len(image.crops) for image in images)
+    for one, shared in zip(alone, together, strict=True):
+        assert one.shape == shared.shape and abs(one - shared).max() <= 1e-5
 
 
 def test_concurrent_http_requests_share_graph_calls(d3_service):

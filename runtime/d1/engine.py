@@ -210,6 +210,12 @@ class D1Engine(Engine):
         images: LoadedMedia[Lfm2Image] | None = prepared.media
         return None if images is None else self.media.encode(images, run_options)
 
+    def encode_media_many(self, prepared: list[Prepared], run_options: Any = None) -> list[np.ndarray | None]:
+        # Crops of one grid from every request share vision runs (D1ImageEncoder.rows_many).
+        with_media = [p for p in prepared if p.media is not None]
+        encoded = iter(self.media.encode_many([p.media for p in with_media], run_options))
+        return [next(encoded) if p.media is not None else None for p in prepared]
+
     def use_call_cost(self, cost: CallCost) -> None:
         self.runner.cost = cost
 

@@ -24,7 +24,11 @@ from .cells import unshuffle_order
 from .image_processor import Lfm2Image, Lfm2ImageConfig, cap_pixels, lfm2_image
 from .siglip_positions import siglip_positions
 
-MAX_CROPS_PER_RUN = 4  # vision attention memory grows with crops x patches^2; tiles run in groups of this many
+# Vision attention memory grows with crops x patches^2: crops of one grid (of one image or of several requests'
+# images) run in groups of at most this many. A crop has at most 1,024 patches (the processor's 256 tokens of 2 x 2
+# patches), so at SigLIP2's 16 heads a run's fp32 scores and probabilities stay under 1.1 GB; a 1024x1024 image
+# (4 tiles and a thumbnail) is one run, where groups of 4 made it two.
+MAX_CROPS_PER_RUN = 8
 
 
 class D1ImageEncoder(MediaEncoder[Lfm2Image]):
@@ -53,22 +57,28 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
             raise DecisionError(f"Failed to apply Lfm2VlProcessor on {where}: {exc}") from None
 
     def rows(self, image: Lfm2Image, run_options: Any) -> np.ndarray:
-        """Vision rows of one image (tiles row-major, then the thumbnail): crops of one grid run together, at
-        most MAX_CROPS_PER_RUN at a time."""
-        out: list[np.ndarray | None] = [None] * len(image.crops)
-        by_grid: dict[tuple[int, int], list[int]] = {}
-        for i, crop in enumerate(image.crops):
-            by_grid.setdefault(crop.grid, []).append(i)
+        """Vision rows of one image: its crops' rows in crop order (tiles row-major, then the thumbnail)."""
+        return self.rows_many([image], run_options)[0]
+
+    def rows_many(self, images: list[Lfm2Image], run_options: Any) -> list[np.ndarray]:
+        """Vision rows of each image: crops of one grid run together, whichever image they belong to, at most
+        MAX_CROPS_PER_RUN at a time (each crop attends only to its own patches, so its rows do not depend on its
+        run mates)."""
+        out: dict[tuple[int, int], np.ndarray] = {}  # by (image, crop)
+        by_grid: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for n, image in enumerate(images):
+            for i, crop in enumerate(image.crops):
+                by_grid.setdefault(crop.grid, []).append((n, i))
         for grid, members in by_grid.items():
             order = unshuffle_order(*grid, self.config.downsample_factor)
             cells = len(order) // self.config.downsample_factor**2
             for start in range(0, len(members), MAX_CROPS_PER_RUN):
                 group = members[start:start + MAX_CROPS_PER_RUN]
-                patches = np.stack([image.crops[i].patches[order] for i in group])
+                patches = np.stack([images[n].crops[i].patches[order] for n, i in group])
                 (rows,) = self.session.run({"patches": patches, "positions": self.positions(*grid)}, run_options)
-                for k, i in enumerate(group):
-                    out[i] = rows[k * cells:(k + 1) * cells]
-        return np.concatenate(out)
+                for k, member in enumerate(group):
+                    out[member] = rows[k * cells:(k + 1) * cells]
+        return [np.concatenate([out[n, i] for i in range(len(image.crops))]) for n, image in enumerate(images)]
 
 
 def expand_images(ids: list[int], image_token_id: int, placeholders: list[list[int]]) -> list[int]:
