@@ -263,9 +263,7 @@ class Scheduler:
                 readouts = (self.engine.run(ticket.prepared, options) if ticket.encoded is None
                             else self.engine.run(ticket.prepared, options, ticket.encoded))
             except Exception as exc:  # noqa: BLE001 - the request's caller gets it (a stopped run included)
-                with self._cond:
-                    del self._in_flight[lane]
-                    self._finish(ticket, error=exc)
+                self._fail([ticket], lane, exc)
                 return
             with self._cond:
                 del self._in_flight[lane]
@@ -288,10 +286,7 @@ class Scheduler:
                           else self.engine.rows(ticket.prepared, out))
                          for ticket, out in zip(tickets, encoded, strict=True)]
             except Exception as exc:  # noqa: BLE001 - every request in the job gets it (a stopped run included)
-                with self._cond:
-                    del self._in_flight[lane]
-                    for ticket in tickets:
-                        self._finish(ticket, error=exc)
+                self._fail(tickets, lane, exc)
                 return
             with self._cond:
                 del self._in_flight[lane]
@@ -310,10 +305,7 @@ class Scheduler:
             try:
                 readouts = self.engine.run_rows([row for _, _, row in taken], options)
             except Exception as exc:  # noqa: BLE001 - every request in the call gets it
-                with self._cond:
-                    del self._in_flight[TEXT]
-                    for ticket in tickets:
-                        self._finish(ticket, error=exc)
+                self._fail(tickets, TEXT, exc)
                 return
             with self._cond:
                 del self._in_flight[TEXT]
@@ -323,6 +315,13 @@ class Scheduler:
                     if ticket in self._tickets and not ticket.pending and all(r is not None for r in ticket.readouts):
                         self._finish(ticket)
         return run
+
+    def _fail(self, tickets: list[_Ticket], lane: str, error: BaseException) -> None:
+        """The lane's job failed or was stopped: every request in it gets the error."""
+        with self._cond:
+            del self._in_flight[lane]
+            for ticket in tickets:
+                self._finish(ticket, error=error)
 
     def _start(self, tickets: list[_Ticket], lane: str) -> Any:
         options = ort.RunOptions()

@@ -86,8 +86,8 @@ def test_export_writes_nothing_when_the_text_graph_disagrees(d1_checkpoint, tmp_
 
 # -- images, once per request (decision 6) -----------------------------------------------------------
 def test_images_are_fetched_and_encoded_once_per_request(d1_artifact):
-    """6 questions over 2 images: one GET per URL; the vision graph runs once per crop grid group (a 2x2-tiled
-    1024x1024 image: its four 512 tiles together, then the thumbnail; a 640x480 image: one crop)."""
+    """6 questions over 2 images: one GET per URL; the vision graph runs once per crop grid (a 2x2-tiled 1024x1024
+    image: its four 512 tiles and its thumbnail, all 32x32 patches, in one run; a 640x480 image: one crop)."""
     server = CountingServer({"a.png": gradient_png(1024, 1024), "b.png": gradient_png(640, 480)})
     options = EngineOptions(device="cpu", fetch_policy=FetchPolicy(allow_private_hosts=True))
     service = DecisionService(Artifact.load(d1_artifact), options)
@@ -98,7 +98,7 @@ def test_images_are_fetched_and_encoded_once_per_request(d1_artifact):
                                    "questions": questions})
         assert len(response["answers"]) == 6
         assert dict(server.gets) == {"a.png": 1, "b.png": 1}
-        assert service.engine.vision_session.runs - before == 2 + 1
+        assert service.engine.vision_session.runs - before == 1 + 1
         before = service.engine.vision_session.runs
         # Prepared reads the media; the vision graph runs when the request is answered.
         prepared = service.prepare({"state": "x", "images": [f"{server.url}/b.png"] * 2, "questions": {"q": NOUL}})
