@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from systemone.bench import percentile_ms, timed
 from systemone.export.d1.answer_parity import sixteen_questions
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
@@ -33,13 +34,7 @@ from systemone.runtime.service import DecisionService
 
 
 def median_ms(fn: Callable[[], Any], repeats: int = 7) -> str:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return f"{np.median(times):.2f} ms"
+    return f"{percentile_ms(timed(fn, repeats), 50):.2f} ms"  # after one untimed call, as `systemone bench` times
 
 
 def request_stages(service: DecisionService, requests: int) -> None:
