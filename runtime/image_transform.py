@@ -42,12 +42,9 @@ BICUBIC = _Filter(_cubic, 2.0)
 BILINEAR = _Filter(_triangle, 1.0)
 
 
-# One video's frames share one size, and photos often do: the taps of a size pair are computed once, not per frame.
-@lru_cache(maxsize=64)
 def _int16_taps(in_size: int, out_size: int, filt: _Filter = BICUBIC) -> tuple[np.ndarray, np.ndarray, int]:
     """Per output pixel: input indices [out, K], int weights [out, K] and their precision in bits, as
-    torchvision's uint8 kernel computes them (Pillow's filter support, weights scaled to fit int16); read-only,
-    since they are shared."""
+    torchvision's uint8 kernel computes them (Pillow's filter support, weights scaled to fit int16)."""
     scale = in_size / out_size
     support = filt.radius * scale if scale >= 1.0 else filt.radius
     inv_scale = 1.0 / scale if scale >= 1.0 else 1.0
@@ -69,47 +66,107 @@ def _int16_taps(in_size: int, out_size: int, filt: _Filter = BICUBIC) -> tuple[n
         precision += 1
     scaled = weights * (1 << precision)
     rounded = np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5)).astype(np.int32)
-    index.flags.writeable = rounded.flags.writeable = False
     return index, rounded, precision
 
 
-# Columns of one block: its int32 input, accumulator and tap (12 bytes a row) are about 2.5 MiB for a 720p frame
-# shrunk to 576 wide, near the core's caches, instead of float64 copies of the whole image.
-BLOCK_COLUMNS = 256
+# Output pixels a product block computes. Each block multiplies its input window densely, zeros included: 32
+# outputs of a 720p frame shrunk to 576 wide read a window of about 80 inputs for their 10 taps each, and at 32 the
+# products still run at BLAS speed (16 and 64 were slower on the seeds' video frames).
+BLOCK = 32
 
 
-def _resample_rows(image: np.ndarray, out_size: int, filt: _Filter) -> np.ndarray:
-    """One pass along axis 0 of a uint8 array, like the C kernel: integer taps summed in int32 (exact: |sum| <
-    255 * 1.1 * 2^22 < 2^31, as in torch), rounded, shifted and clipped to uint8. Each tap gathers whole rows."""
-    index, weights, precision = _int16_taps(image.shape[0], out_size, filt)
-    rows = image.reshape(image.shape[0], -1)
-    out = np.empty((out_size, rows.shape[1]), dtype=np.uint8)
-    for start in range(0, rows.shape[1], BLOCK_COLUMNS):
-        part = rows[:, start:start + BLOCK_COLUMNS].astype(np.int32)
-        acc = np.full((out_size, part.shape[1]), 1 << (precision - 1), dtype=np.int32)
-        tap = np.empty_like(acc)
-        for k in range(index.shape[1]):
-            np.take(part, index[:, k], axis=0, out=tap, mode="clip")  # indices are in range; "clip" skips a copy
-            tap *= weights[:, k, None]
-            acc += tap
-        acc >>= precision
-        out[:, start:start + BLOCK_COLUMNS] = np.clip(acc, 0, 255, out=acc)
-    return out.reshape(out_size, *image.shape[1:])
+@dataclass(frozen=True)
+class _Bands:
+    """One pass's int16 weights as dense blocks for BLAS products, with the dtype in which they are exact.
+
+    A pass computes clip((2^(p-1) + sum_k w_k v_k) >> p) in int32. With v - 128 in place of v it is
+    128 + floor((sum_k w_k (v_k - 128) + bias) / 2^p), bias = 128 (sum_k w_k - 2^p) + 2^(p-1): every product and
+    partial sum is an integer of magnitude at most 128 sum_k |w_k| + |bias|, so a float32 product whose bound is
+    below 2^24 is exact in any summation order, and float64 (below 2^53) always is; the division by 2^p and the
+    floor are exact too."""
+
+    blocks: tuple[tuple[int, int, int, int, np.ndarray], ...]  # (out from, to, in from, to, weights [out, in])
+    bias: np.ndarray  # [out]
+    scale: float  # 2^-p
+    dtype: type
 
 
-def _transposed(image: np.ndarray) -> np.ndarray:
-    """[H, W, C] -> [W, H, C], contiguous (OpenCV's transpose: several times numpy's copy of a 3-byte pixel)."""
+# One video's frames share one size, and photos often do: a size pair's blocks are made once, not per frame.
+@lru_cache(maxsize=64)
+def _bands(in_size: int, out_size: int, filt: _Filter) -> _Bands:
+    index, weights, precision = _int16_taps(in_size, out_size, filt)
+    dense = np.zeros((out_size, in_size), dtype=np.int64)
+    np.add.at(dense, (np.arange(out_size)[:, None], index), weights)  # taps past a pixel's window weigh 0
+    bias = 128 * (dense.sum(axis=1) - (1 << precision)) + (1 << (precision - 1))
+    bound = 128 * int(np.abs(dense).sum(axis=1).max()) + int(np.abs(bias).max())
+    dtype = np.float32 if bound < 1 << 24 else np.float64
+    blocks = []
+    for start in range(0, out_size, BLOCK):
+        rows = dense[start:start + BLOCK]
+        used = np.flatnonzero(rows.any(axis=0))
+        lo, hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 1)
+        block = rows[:, lo:hi].astype(dtype)
+        block.flags.writeable = False
+        blocks.append((start, start + len(rows), lo, hi, block))
+    bias = bias.astype(dtype)
+    bias.flags.writeable = False
+    return _Bands(tuple(blocks), bias, 2.0 ** -precision, dtype)
+
+
+def _planes(image: np.ndarray) -> np.ndarray:
+    """[H, W, C] -> [C, H, W] uint8 (OpenCV's split: several times numpy's copy of a transposed view)."""
     import cv2
 
-    return cv2.transpose(image).reshape(image.shape[1], image.shape[0], *image.shape[2:])
+    return np.stack(cv2.split(image)) if image.shape[2] > 1 else image.reshape(1, *image.shape[:2])
+
+
+def _centered(planes: np.ndarray, dtype: type) -> np.ndarray:
+    """Values minus 128, in `dtype` and C order (a pass's input; numpy would keep a transposed view's order)."""
+    return np.subtract(planes, 128, dtype=dtype, order="C")
+
+
+def _rounded(acc: np.ndarray, bands: _Bands, bias: np.ndarray) -> np.ndarray:
+    """A pass's sums -> its uint8 values in place (as floats): 128 + floor((sum + bias) / 2^p), clipped."""
+    acc += bias
+    acc *= bands.scale
+    np.floor(acc, out=acc)
+    acc += 128
+    return np.clip(acc, 0, 255, out=acc)
+
+
+def _horizontal(planes: np.ndarray, bands: _Bands) -> np.ndarray:
+    """[C, rows, W] uint8 -> [C, rows, width] rounded values (floats), every channel's rows in one product."""
+    channels, rows, _ = planes.shape
+    out = np.empty((channels * rows, bands.bias.shape[0]), dtype=bands.dtype)
+    for start, stop, lo, hi, block in bands.blocks:
+        np.matmul(_centered(planes[:, :, lo:hi], bands.dtype).reshape(-1, hi - lo), block.T, out=out[:, start:stop])
+    return _rounded(out, bands, bands.bias).reshape(channels, rows, -1)
 
 
 def _resize(image: np.ndarray, height: int, width: int, filt: _Filter) -> np.ndarray:
-    if image.shape[1] != width:  # resampled as rows of the transpose, so every tap gathers contiguous rows
-        image = _transposed(_resample_rows(_transposed(image), width, filt))
-    if image.shape[0] != height:
-        image = _resample_rows(image, height, filt)
-    return image
+    """Horizontal pass, then vertical, each rounded to uint8 as torch rounds them; an unchanged axis is not
+    resampled. The passes are BLAS products (numpy releases the GIL in them, so frames resize in parallel
+    threads), exact by `_Bands`. The image goes in strips, one per block of output rows, so that every buffer
+    stays small enough to come from the heap: a whole frame's would be mapped and faulted in afresh (the server
+    maps buffers of 1 MiB and more), and concurrent faults queue on the process's memory map."""
+    in_height, in_width = image.shape[:2]
+    if (in_height, in_width) == (height, width):
+        return image
+    source = image.reshape(in_height, in_width, -1)
+    out = np.empty((height, width, source.shape[2]), dtype=np.uint8)
+    across = _bands(in_width, width, filt) if in_width != width else None
+    down = _bands(in_height, height, filt) if in_height != height else None
+    strips = down.blocks if down is not None else [(r, min(r + BLOCK, height), r, min(r + BLOCK, height), None)
+                                                   for r in range(0, height, BLOCK)]
+    for start, stop, lo, hi, block in strips:
+        planes = _planes(source[lo:hi])
+        strip = _horizontal(planes, across) if across is not None else planes
+        if down is not None:
+            centred = (np.subtract(strip, 128, out=strip) if strip.dtype == down.dtype
+                       else _centered(strip, down.dtype))
+            strip = _rounded(np.matmul(block, centred), down, down.bias[start:stop, None])
+        out[start:stop] = strip.transpose(1, 2, 0)
+    return out.reshape(height, width, *image.shape[2:])
 
 
 def resize_bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..models.errors import TimedOut
 from ..models.request import DecisionRequest
+from .blas_threads import one_blas_thread
 from .deadline import Deadline
 from .media_allowance import MediaAllowance, MediaBudget
 from .media_encoder import LoadedMedia, MediaEncoder
@@ -34,7 +35,7 @@ class MediaPool:
             raise ValueError("the media pool needs at least one worker")
         self.workers = workers
         self.budget = budget or MediaBudget()
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="systemone-media")
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="systemone-media", initializer=one_blas_thread)
         self._lock = threading.Lock()
         self.running = 0  # jobs loading now (shown in /metrics; 0 once every abandoned request's jobs stopped)
         self.queued = 0

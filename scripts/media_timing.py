@@ -7,8 +7,13 @@ to it. --mp4 adds the same 20 frames as a 10 s, 30 fps MPEG-4 file (what a clien
 is demuxed once to find the keyframes, then the sampled frames are decoded.
 
 Median (min) milliseconds of --repeats runs after one warm-up run; the machine's other load shows in the medians.
+The process runs as the server's does: glibc's allocator as `systemone serve` sets it (server/allocator.py; or
+--default-allocator) and one BLAS thread in each media thread (runtime/blas_threads.py), the main thread included.
+--throughput N... then loads the video N at a time in as many threads (the media pool's way) and reports loads a
+second: how media scales over the machine's cores.
 
     python scripts/media_timing.py ARTIFACT [--device cpu] [--repeats 5] [--mp4] [--frame-threads N]
+        [--default-allocator] [--throughput 1 4 8]
 """
 
 from __future__ import annotations
@@ -144,7 +149,9 @@ def main() -> None:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
     from systemone.loadgen import RequestMix
     from systemone.runtime.artifact import Artifact
+    from systemone.runtime.blas_threads import one_blas_thread
     from systemone.runtime.d3.media import FRAME_THREADS
+    from systemone.server.allocator import release_freed_memory
     from systemone.runtime.engine import EngineOptions
     from systemone.runtime.service import DecisionService
 
@@ -155,11 +162,18 @@ def main() -> None:
     parser.add_argument("--mp4", action="store_true", help="also the video as an MPEG-4 file")
     parser.add_argument("--frame-threads", type=int, default=None,
                         help="threads that resize a video's frames (default: the encoder's own pool)")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="glibc's default allocator, not the server's settings")
+    parser.add_argument("--throughput", type=int, nargs="*", default=[],
+                        help="video loads at once (each in its own thread) for a loads-a-second figure")
     args = parser.parse_args()
 
+    allocator = "glibc defaults" if args.default_allocator else (
+        "the server's" if release_freed_memory() else "not glibc: defaults")
+    one_blas_thread()  # the stages below run in this thread, as the media pool runs them in its own
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
     if args.frame_threads:
-        service.engine.media.frame_pool = ThreadPoolExecutor(args.frame_threads)
+        service.engine.media.frame_pool = ThreadPoolExecutor(args.frame_threads, initializer=one_blas_thread)
     frame_threads = args.frame_threads or FRAME_THREADS
     if service.artifact.manifest.family != "d3":
         raise SystemExit("the seeds' video requests need a d3 artifact")
@@ -169,7 +183,7 @@ def main() -> None:
         frames = [base64.b64decode(p) for p in bodies["video"]["videos"][0].split(",")[1:]]
         bodies["video mp4"] = mp4_body(bodies["video"], frames)
     print(f"{args.artifact} on {service.provider}, {os.cpu_count()} CPUs, "
-          f"{frame_threads} frame threads; numpy {np.__version__}; "
+          f"{frame_threads} frame threads; numpy {np.__version__}; allocator {allocator}; "
           f"median (min) ms of {args.repeats} runs")
     watches = {}
     for name, body in bodies.items():
@@ -182,6 +196,31 @@ def main() -> None:
     print(f"\n{'stage':14s}" + "".join(f"{name:>20s}" for name in watches))
     for stage in STAGES:
         print(f"{stage:14s}" + "".join(f"{w.cell(stage, 1):>20s}" for w in watches.values()))
+    for name in ("video", "video mp4"):
+        if args.throughput and name in bodies:
+            print(f"\n{name} loads a second (load_one, each load in its own thread):")
+            for at_once in args.throughput:
+                print(f"  {at_once:3d} at once: {load_rate(service, json.dumps(bodies[name]).encode(), at_once):7.1f}")
+
+
+def load_rate(service: Any, raw: bytes, at_once: int, rounds: int = 3) -> float:
+    """Loads a second with `at_once` loads of the body's media in flight, over `rounds` rounds after a warm-up."""
+    from systemone.runtime.blas_threads import one_blas_thread
+    from systemone.runtime.deadline import Deadline
+    from systemone.runtime.media_allowance import MediaAllowance
+    from systemone.server.body import parse_json
+
+    encoder = service.engine.media
+    (key, where), = encoder.jobs(service.validate(parse_json(raw))[0])
+
+    def load(_: int) -> None:
+        encoder.load_one(key, where, Deadline(), MediaAllowance(service.media_pool.budget))
+
+    with ThreadPoolExecutor(at_once, initializer=one_blas_thread) as pool:
+        list(pool.map(load, range(at_once)))
+        start = time.perf_counter()
+        list(pool.map(load, range(at_once * rounds)))
+        return at_once * rounds / (time.perf_counter() - start)
 
 
 if __name__ == "__main__":

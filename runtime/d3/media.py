@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ...models.request import DecisionRequest
+from ..blas_threads import one_blas_thread
 from ..deadline import Deadline
 from ..image_transform import qwen_image
 from ..media_allowance import MediaAllowance
@@ -54,7 +55,8 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
         self.side = int(vision["position_grid_side"])
         self.mean = tuple(vision["image_mean"])
         self.std = tuple(vision["image_std"])
-        self.frame_pool = ThreadPoolExecutor(FRAME_THREADS, thread_name_prefix="systemone-frames")
+        self.frame_pool = ThreadPoolExecutor(FRAME_THREADS, thread_name_prefix="systemone-frames",
+                                             initializer=one_blas_thread)
 
     def jobs(self, request: DecisionRequest) -> list[tuple[Hashable, str]]:
         jobs: list[tuple[Hashable, str]] = [(("image", url), f"images[{i}]")
