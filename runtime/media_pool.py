@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections.abc import Hashable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -39,18 +40,21 @@ class MediaPool:
         self._lock = threading.Lock()
         self.running = 0  # jobs loading now (shown in /metrics; 0 once every abandoned request's jobs stopped)
         self.queued = 0
+        self.load_s = 0.0  # seconds spent in jobs, all threads together (/metrics)
 
     def _job(self, encoder: MediaEncoder[Any], key: Hashable, where: str, deadline: Deadline,
              allowance: MediaAllowance) -> Any:
         with self._lock:
             self.queued -= 1
             self.running += 1
+        start = time.monotonic()
         try:
             deadline.check()  # the request was abandoned while this job waited for a thread
             return encoder.load_one(key, where, deadline, allowance)
         finally:
             with self._lock:
                 self.running -= 1
+                self.load_s += time.monotonic() - start
 
     def _submit(self, encoder: MediaEncoder[Any], request: DecisionRequest, deadline: Deadline
                 ) -> tuple[list[Hashable], dict[Hashable, Future], Deadline]:

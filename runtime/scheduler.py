@@ -102,6 +102,8 @@ class Scheduler:
         self._in_flight: dict[str, _Call] = {}  # by lane
         self._closing = False
         self._threads: dict[str, threading.Thread] = {}
+        self._busy_s = dict.fromkeys(self.lanes, 0.0)  # seconds each lane spent in jobs (/metrics)
+        self._jobs = dict.fromkeys(self.lanes, 0)
 
     # -- the callers' side -------------------------------------------------------------------------------------
     def submit(self, prepared: Prepared, deadline: Deadline) -> Future[list[Readout]]:
@@ -142,6 +144,12 @@ class Scheduler:
         with self._cond:
             return len(self._tickets)
 
+    def work(self) -> dict[str, tuple[float, int]]:
+        """Seconds each lane has spent running jobs, and its jobs, since start (a lane busy nearly all the time is
+        the server's bound)."""
+        with self._cond:
+            return {lane: (self._busy_s[lane], self._jobs[lane]) for lane in self.lanes}
+
     def _first_stage(self, prepared: Prepared) -> str:
         whole = self.engine.runs_whole(prepared)
         if prepared.media is None:
@@ -166,7 +174,11 @@ class Scheduler:
     # -- the engine thread (and the media lane's) --------------------------------------------------------------
     def _loop(self, lane: str) -> None:
         while (job := self._next_job(lane)) is not None:
+            start = time.monotonic()
             job()
+            with self._cond:
+                self._busy_s[lane] += time.monotonic() - start
+                self._jobs[lane] += 1
 
     def _next_job(self, lane: str) -> Callable[[], None] | None:
         with self._cond:

@@ -129,8 +129,9 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             check_bearer(request.headers.get("authorization"), options.api_key)
         except Unauthorized as exc:
             return unauthorized(exc)
-        return PlainTextResponse(metrics.render(admission.running, admission.queued, service.media_pool.running),
-                                 media_type="text/plain; version=0.0.4")
+        pool = service.media_pool
+        return PlainTextResponse(metrics.render(admission.running, admission.queued, pool.running, scheduler.work(),
+                                                pool.load_s), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

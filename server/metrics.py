@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Mapping
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -34,7 +35,9 @@ class Metrics:
         with self._lock:
             self.aborted_uploads += 1
 
-    def render(self, running: int, queued: int, media_running: int = 0) -> str:
+    def render(self, running: int, queued: int, media_running: int = 0,
+               lanes: Mapping[str, tuple[float, int]] | None = None, media_load_s: float = 0.0) -> str:
+        """`lanes`: the scheduler's work, seconds and jobs by lane; `media_load_s`: the media pool's seconds."""
         with self._lock:
             lines = ["# HELP systemone_requests_total POST /v1/systemone requests by HTTP status.",
                      "# TYPE systemone_requests_total counter"]
@@ -58,5 +61,17 @@ class Metrics:
                       "# TYPE systemone_client_aborted_uploads_total counter",
                       f"systemone_client_aborted_uploads_total {self.aborted_uploads}",
                       "# HELP systemone_media_jobs_running Media inputs being fetched, decoded or preprocessed now.",
-                      "# TYPE systemone_media_jobs_running gauge", f"systemone_media_jobs_running {media_running}"]
+                      "# TYPE systemone_media_jobs_running gauge", f"systemone_media_jobs_running {media_running}",
+                      "# HELP systemone_media_load_seconds_total Seconds media threads spent loading, all together.",
+                      "# TYPE systemone_media_load_seconds_total counter",
+                      f"systemone_media_load_seconds_total {media_load_s}",
+                      "# HELP systemone_engine_busy_seconds_total Seconds the scheduler's lanes spent running graphs "
+                      "(text: the engine thread; media: the vision lane).",
+                      "# TYPE systemone_engine_busy_seconds_total counter"]
+            lines += [f'systemone_engine_busy_seconds_total{{lane="{lane}"}} {seconds}'
+                      for lane, (seconds, _) in sorted((lanes or {}).items())]
+            lines += ["# HELP systemone_engine_jobs_total Jobs (graph calls or vision batches) each lane ran.",
+                      "# TYPE systemone_engine_jobs_total counter"]
+            lines += [f'systemone_engine_jobs_total{{lane="{lane}"}} {jobs}'
+                      for lane, (_, jobs) in sorted((lanes or {}).items())]
         return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+from urllib.request import urlopen
 
 import numpy as np
 from PIL import Image
@@ -197,14 +198,51 @@ async def closed_loop(url: str, mix: RequestMix, clients: int, seconds: float, m
     return result
 
 
+def server_metrics(url: str) -> dict[str, float]:
+    """The counters and gauges of the server's /metrics (beside `url`), by name with labels; empty where it has
+    none (the reference server)."""
+    parts = urlsplit(url)
+    try:
+        with urlopen(f"{parts.scheme}://{parts.netloc}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except (OSError, ValueError):
+        return {}
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            samples[name] = float(value)
+    return samples
+
+
+def work_shares(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Where the server's time went during a run, from its counters: each scheduler lane's busy share of the wall
+    time (text near 1: the text graph is the bound) and the media threads loading on average."""
+    def rate(name: str) -> float:
+        return (after.get(name, 0.0) - before.get(name, 0.0)) / seconds
+
+    shares = {f"{lane}_lane_busy": rate(f'systemone_engine_busy_seconds_total{{lane="{lane}"}}')
+              for lane in ("text", "media") if f'systemone_engine_busy_seconds_total{{lane="{lane}"}}' in after}
+    shares.update({f"{lane}_lane_jobs_per_s": rate(f'systemone_engine_jobs_total{{lane="{lane}"}}')
+                   for lane in ("text", "media") if f'systemone_engine_jobs_total{{lane="{lane}"}}' in after})
+    if "systemone_media_load_seconds_total" in after:
+        shares["media_threads_loading"] = rate("systemone_media_load_seconds_total")
+    return shares
+
+
 def run_load(url: str, family: str, clients: tuple[int, ...], seconds: float, model: str | None = None,
              reference: str | None = None, kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
-    """The mix at each client count against `url` (and `reference`, when given, on the same requests)."""
+    """The mix at each client count against `url` (and `reference`, when given, on the same requests); where a
+    server has /metrics, its work shares during each run."""
     report: dict[str, Any] = {"family": family, "kinds": list(kinds), "runs": {}}
     targets = {"server": url, **({"reference": reference} if reference else {})}
     for name, target in targets.items():
         for count in clients:
+            before = server_metrics(target)
             result = asyncio.run(closed_loop(target, RequestMix(family, 0, kinds), count, seconds, model))
             report["runs"][f"{name}@{count}"] = result.summary()
+            if before:
+                report["runs"][f"{name}@{count}"]["work"] = work_shares(before, server_metrics(target),
+                                                                        result.seconds)
             print(f"{name:9s} {count:3d} clients: {json.dumps(report['runs'][f'{name}@{count}'])}", flush=True)
     return report

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from systemone.loadgen import RequestMix, closed_loop
+from systemone.loadgen import RequestMix, closed_loop, server_metrics, work_shares
 from tests.live_server import live_server
 
 
@@ -18,12 +18,22 @@ def test_the_mix_is_answered_and_counted(family, request):
     kinds = [mix.body(i)[0] for i in range(len(mix.kinds))]
     assert ("video" in kinds) == (family == "d3") and "image" in kinds and "choice40" in kinds
     with live_server(service) as base:
+        before = server_metrics(f"{base}/v1/systemone")
         result = asyncio.run(closed_loop(f"{base}/v1/systemone", RequestMix(family), clients=2, seconds=4.0))
+        work = work_shares(before, server_metrics(f"{base}/v1/systemone"), result.seconds)
     summary = result.summary()
     assert result.errors == {} and set(result.statuses) == {200}, summary
     assert summary["answered"] == sum(result.statuses.values()) >= len(mix.kinds)
     assert 1 <= result.questions / summary["answered"] <= 4
     assert summary["p50_ms"] <= summary["p99_ms"]
+    # The server's own account of the run: its engine thread ran graphs part of the time (one lane cannot be
+    # busy longer than the run), and media threads loaded the photos and videos.
+    assert 0 < work["text_lane_busy"] <= 1.01 and work["text_lane_jobs_per_s"] > 0, work
+    assert work["media_threads_loading"] > 0, work
+
+
+def test_a_server_without_metrics_reports_no_work_shares():
+    assert server_metrics("http://127.0.0.1:9/v1/systemone") == {}  # the discard port: nothing listens
 
 
 def test_media_bytes_are_new_in_every_request():
