@@ -220,15 +220,32 @@ def normalize(image: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]
     return cv2.LUT(pixels, table.reshape(256, 1, channels)).reshape(image.shape)
 
 
+def patch_rows(frames: int, height: int, width: int, channels: int, patch: int, temporal: int) -> np.ndarray:
+    """Empty pixel rows for `frames` frames of height x width (padded to whole temporal groups): [t * h * w,
+    C * temporal * patch * patch] float32, filled frame by frame with `put_frame`."""
+    groups = -(-frames // temporal)
+    return np.empty((groups * (height // patch) * (width // patch), channels * temporal * patch * patch),
+                    dtype=np.float32)
+
+
+def put_frame(rows: np.ndarray, position: int, frame: np.ndarray, patch: int, merge: int, temporal: int) -> None:
+    """Write one normalized [H, W, C] frame as frame `position` of `rows`, in (temporal group, merge block,
+    in-block) row order and (C, temporal, py, px) column order (spec 4.9): one strided copy, no stacked frames."""
+    height, width, channels = frame.shape
+    h, w = height // patch, width // patch
+    view = rows.reshape(-1, h // merge, w // merge, merge, merge, channels, temporal, patch, patch)
+    blocks = frame.reshape(h // merge, merge, patch, w // merge, merge, patch, channels).transpose(0, 3, 1, 4, 6, 2, 5)
+    view[position // temporal, :, :, :, :, :, position % temporal] = blocks  # bh, bw, mh, mw, C, py, px
+
+
 def patchify(frames: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, tuple[int, int, int]]:
     """[T, H, W, C] float32 (T a multiple of `temporal`) -> rows [t * h * w, C * temporal * patch * patch] in
     (temporal group, merge block, in-block) order, and the grid (t, h, w) in patches (spec 4.9)."""
-    frames_t, height, width, channels = frames.shape
-    t, h, w = frames_t // temporal, height // patch, width // patch
-    x = frames.transpose(0, 3, 1, 2).reshape(t, temporal, channels, h // merge, merge, patch, w // merge, merge,
-                                               patch)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # t, bh, bw, mh, mw, C, temporal, py, px
-    return np.ascontiguousarray(x.reshape(t * h * w, channels * temporal * patch * patch)), (t, h, w)
+    count, height, width, channels = frames.shape
+    rows = patch_rows(count, height, width, channels, patch, temporal)
+    for position, frame in enumerate(frames):
+        put_frame(rows, position, frame, patch, merge, temporal)
+    return rows, (count // temporal, height // patch, width // patch)
 
 
 def qwen_image(rgb: np.ndarray, patch: int, merge: int, temporal: int, mean: tuple[float, ...],
@@ -236,6 +253,8 @@ def qwen_image(rgb: np.ndarray, patch: int, merge: int, temporal: int, mean: tup
     """One RGB uint8 [H, W, 3] image -> (pixel_values rows, grid (1, h, w) in patches): smart resize, bicubic,
     normalize, the frame repeated to `temporal` frames, patchify (spec 4.9)."""
     height, width = smart_resize(rgb.shape[0], rgb.shape[1], patch * merge, min_pixels, max_pixels)
-    resized = resize_bicubic(rgb, height, width)
-    frames = np.repeat(normalize(resized, mean, std)[None], temporal, axis=0)
-    return patchify(frames, patch, merge, temporal)
+    frame = normalize(resize_bicubic(rgb, height, width), mean, std)
+    rows = patch_rows(temporal, height, width, frame.shape[2], patch, temporal)
+    for position in range(temporal):
+        put_frame(rows, position, frame, patch, merge, temporal)
+    return rows, (1, height // patch, width // patch)

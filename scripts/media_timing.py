@@ -93,16 +93,16 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
     if kind == "image":
         data = watch.time("fetch", lambda: fetch(url, where, kind, encoder.policy))
         frames = watch.time("frame decode", lambda: decode_image(data, where)[None])
-        height, width = smart_resize(*frames.shape[1:3], factor, *_image_pixels())
+        height, width = smart_resize(*frames[0].shape[:2], factor, *_image_pixels())
     elif url[:16].lower().startswith("data:video/jpeg"):
         parts = watch.time("fetch", lambda: [base64.b64decode(p, validate=True) for p in url.split(",")[1:]])
-        frames = watch.time("frame decode", lambda: np.stack([decode_image(p, where) for p in parts]))
-        height, width = d3_video.video_size(len(frames), *frames.shape[1:3], factor, temporal)
+        frames = watch.time("frame decode", lambda: [decode_image(p, where) for p in parts])
+        height, width = d3_video.video_size(len(frames), *frames[0].shape[:2], factor, temporal)
     else:
         data = watch.time("fetch", lambda: fetch(url, where, kind, encoder.policy))
         watch.time("demux", lambda: demux_once(data))
         frames = watch.time("frame decode", lambda: d3_video.decode_video(data, where).frames)
-        height, width = d3_video.video_size(len(frames), *frames.shape[1:3], factor, temporal)
+        height, width = d3_video.video_size(len(frames), *frames[0].shape[:2], factor, temporal)
     # A video's frames are resized in the encoder's frame threads, as load_one resizes them.
     resize = (encoder.frame_pool.map if kind == "video" else map)
     resized = watch.time("resize", lambda: np.stack(list(resize(lambda f: resize_bicubic(f, height, width), frames))))
@@ -119,7 +119,7 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
     encoded = watch.time("vision graph", lambda: engine.encode_media(prepared))
     watch.time("text graph", lambda: engine.run_rows(engine.rows(prepared, encoded)))
     return {"questions": len(questions), "prompt tokens": sum(len(p.token_ids) for p in prepared.prompts),
-            "source": "x".join(map(str, frames.shape[:3])), "resized to": f"{height}x{width}",
+            "source": "x".join(map(str, (len(frames), *frames[0].shape[:2]))), "resized to": f"{height}x{width}",
             "grid": "x".join(map(str, item.grid))}
 
 

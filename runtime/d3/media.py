@@ -82,7 +82,7 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
     def _video(self, url: str, where: str, deadline: Deadline, allowance: MediaAllowance) -> Preprocessed:
         data = (b"" if url[:16].lower().startswith("data:video/jpeg")
                 else fetch(url, where, "video", self.policy, deadline, allowance))
-        video = decode_video(data, where, url, allowance, deadline)
+        video = decode_video(data, where, url, allowance, deadline, self.frame_pool)
         try:
             pixels, grid = qwen_video(video.frames, self.patch, self.merge, self.temporal, self.mean, self.std,
                                       self.frame_pool)
