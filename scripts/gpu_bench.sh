@@ -30,7 +30,7 @@ checkpoint() {  # a random-init checkpoint of $size, once per warm machine
   fi
 }
 media_timing() {  # where one image and one video request of the seeds' mix spend their time
-  python3 "$repo/scripts/media_timing.py" "$work/artifact" --device cuda --repeats 5 --mp4 \
+  python3 "$repo/scripts/media_timing.py" "$work/artifact" --device cuda --repeats 5 --mp4 --throughput 1 4 8 16 \
     > "$out/media_timing_${size}_${mode}.txt" 2> "$out/media_timing.log" && cat "$out/media_timing_${size}_${mode}.txt" \
     || { echo "media timing failed"; tail -5 "$out/media_timing.log"; }
 }
