@@ -9,11 +9,21 @@ Larger batches are bound by arithmetic and run as before, uncaptured.
 
 onnxruntime refuses to capture a graph with control flow (the portable graph's Scan) or with nodes off the CUDA
 provider; such a graph runs uncaptured, and the session says why.
+
+Two facts of onnxruntime's CUDA provider (1.31) decide when and where capturing happens. It keeps a captured graph,
+and the count of plain runs before capturing, in the calling thread's own context, and it captures on a graph id's
+third run there (two plain runs first, for the arena to grow). And a capture runs in CUDA's global capture mode: a
+synchronizing call from any other thread meanwhile (the vision graph's run, in the scheduler's media lane) fails,
+and the capture with it. So every bucket is captured at warm-up, three runs each, on the thread that will replay it,
+before any other thread runs a graph; afterwards that thread only replays, and other threads run uncaptured: no
+capture ever happens while serving.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,15 +81,40 @@ class _Binding:
         self.run_options.add_run_config_entry(GRAPH_ID, str(graph_id))
 
 
+# onnxruntime's CUDA provider captures a graph id on its third run in a thread (cuda_execution_provider.h:
+# min_num_runs_before_cuda_graph_capture_ = 2 plain runs first).
+RUNS_TO_CAPTURE = 3
+
+
 class CapturedRuns:
-    """A capturing session's runs at captured shapes: the feeds copied into the shape's buffers, the graph replayed
-    (captured on its first runs), the outputs copied back. One run at a time: the buffers are shared."""
+    """A capturing session's runs at captured shapes: the feeds copied into the shape's buffers, the graph replayed,
+    the outputs copied back. One run at a time: the buffers are shared. Only the thread that captured replays, and
+    only the shapes it captured; a capture happens only inside `capturing_here`."""
 
     def __init__(self, session: ort.InferenceSession):
         self.session = session
         self.bindings: dict[tuple, _Binding] = {}
         self.too_large: set[tuple] = set()  # shapes whose plain run did not fit the arena: never captured
         self.lock = threading.Lock()
+        self.thread: int | None = None  # the thread whose context holds the captured graphs
+        self.capturing = False
+
+    @contextmanager
+    def capturing_here(self) -> Iterator[None]:
+        """Runs in this block capture (on each shape's third run) in this thread, which replays them from now on."""
+        self.thread, self.capturing = threading.get_ident(), True
+        try:
+            yield
+        finally:
+            self.capturing = False
+
+    def on_this_thread(self) -> bool:
+        """Whether this is the thread that captures and replays."""
+        return threading.get_ident() == self.thread
+
+    def replays(self, feeds: dict[str, np.ndarray]) -> bool:
+        """Whether this run is a replay (or, at warm-up, a capture): the capturing thread, a captured shape."""
+        return self.on_this_thread() and (self.capturing or self._key(feeds) in self.bindings)
 
     @staticmethod
     def _key(feeds: dict[str, np.ndarray]) -> tuple:

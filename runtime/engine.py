@@ -86,6 +86,11 @@ class Engine(ABC):
         """Whether the scheduler runs this request with `run`, on its own, rather than as rows sharing calls."""
         return not self.shares_batches
 
+    def warm_up(self) -> None:
+        """Start-up work that belongs to the thread that will run the graphs, called on it before any other thread
+        runs one (the scheduler's engine thread; a direct caller's own): d3 captures its CUDA graphs here
+        (runtime/cuda_graphs.py). Nothing by default."""
+
     def use_call_cost(self, cost: CallCost) -> None:
         """The text graph's call cost measured at start-up (runtime/batch_sizing.py), by which the engine groups
         rows of different lengths into calls; an engine that plans no calls of its own ignores it."""

@@ -102,6 +102,7 @@ class Scheduler:
         self._in_flight: dict[str, _Call] = {}  # by lane
         self._closing = False
         self._threads: dict[str, threading.Thread] = {}
+        self._warm = threading.Event()  # the engine's warm-up is done: the media lane may run graphs
         self._busy_s = dict.fromkeys(self.lanes, 0.0)  # seconds each lane spent in jobs (/metrics)
         self._jobs = dict.fromkeys(self.lanes, 0)
 
@@ -119,15 +120,28 @@ class Scheduler:
             if ticket.stage == "rows":
                 self._queue_rows(ticket, self.engine.rows(prepared, None))
             self._tickets.append(ticket)
-            for lane in self.lanes:
-                if lane not in self._threads:
-                    self._threads[lane] = threading.Thread(target=self._loop, args=(lane,), daemon=True,
-                                                           name=f"systemone-{'engine' if lane == TEXT else lane}")
-                    self._threads[lane].start()
+            self._start_lanes(self.lanes)
             self._cond.notify_all()
         unregister = deadline.on_cancel(lambda: self._on_gone())
         future.add_done_callback(lambda done: self._on_gone() if done.cancelled() else unregister())
         return future
+
+    def start(self) -> None:
+        """Start the engine thread now and return once the engine has warmed up on it (d3: its CUDA graphs
+        captured, on the thread that replays them), so the first request does not wait for it. Without it the
+        engine thread starts, and warms up, at the first request."""
+        with self._cond:
+            if self._closing:
+                raise Unavailable("the server is shutting down; retry later")
+            self._start_lanes((TEXT,))
+        self._warm.wait()
+
+    def _start_lanes(self, lanes: tuple[str, ...]) -> None:
+        for lane in lanes:
+            if lane not in self._threads:
+                self._threads[lane] = threading.Thread(target=self._loop, args=(lane,), daemon=True,
+                                                       name=f"systemone-{'engine' if lane == TEXT else lane}")
+                self._threads[lane].start()
 
     def close(self, timeout: float | None = None) -> None:
         """Take no new request; let every submitted one finish, then end the engine thread."""
@@ -173,6 +187,15 @@ class Scheduler:
 
     # -- the engine thread (and the media lane's) --------------------------------------------------------------
     def _loop(self, lane: str) -> None:
+        # The engine warms up on its own thread before any job; the media lane runs no graph before that (a CUDA
+        # graph capture fails if another thread runs one meanwhile).
+        if lane == TEXT:
+            try:
+                self.engine.warm_up()
+            finally:
+                self._warm.set()
+        else:
+            self._warm.wait()
         while (job := self._next_job(lane)) is not None:
             start = time.monotonic()
             job()

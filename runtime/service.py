@@ -82,6 +82,11 @@ class DecisionService:
     def form(self) -> str:
         return self.artifact.form
 
+    def warm_up(self) -> None:
+        """The engine's start-up work on this thread (d3: its CUDA graphs captured), for callers that run the
+        service directly rather than through the server's scheduler, which warms up on its own engine thread."""
+        self.engine.warm_up()
+
     @property
     def captures(self) -> bool:
         """Whether the text graph's small runs replay captured CUDA graphs."""

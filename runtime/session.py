@@ -112,13 +112,18 @@ class GraphSession:
             buckets = self.buckets
             left = (f"; {len(self.captured.too_large)} left uncaptured, too large for --gpu-memory"
                     if self.captured.too_large else "")
-            return (f"on: {len(self.captured.bindings)} (batch, length) buckets captured, up to batch "
-                    f"{max(buckets.batches)} and {max(buckets.lengths)} tokens ({buckets.max_tokens} in all){left}")
+            done = (f"{len(self.captured.bindings)} (batch, length) buckets captured" if self.captured.thread
+                    else f"{len(buckets.shapes())} (batch, length) buckets to capture at warm-up")
+            return (f"on: {done}, up to batch {max(buckets.batches)} and {max(buckets.lengths)} tokens "
+                    f"({buckets.max_tokens} in all){left}")
         return f"off: capture refused ({self.capture_refused})" if self.capture_refused else "off"
 
     def capture_shape(self, batch: int, length: int) -> tuple[int, int] | None:
-        """The captured (batch, length) bucket a run of `batch` rows of up to `length` tokens pads to, if any."""
-        return self.buckets.bucket(batch, length) if self.buckets is not None else None
+        """The captured (batch, length) bucket a run of `batch` rows of up to `length` tokens pads to, if any:
+        none on a thread that does not replay (its runs are plain, and padding would only cost)."""
+        if self.buckets is None or (self.captured is not None and not self.captured.on_this_thread()):
+            return None
+        return self.buckets.bucket(batch, length)
 
     def device_values(self, arrays: Sequence[np.ndarray | ort.OrtValue]) -> tuple[ort.OrtValue, ...]:
         """`arrays` copied to the session's device once (values already there kept), to feed several bound runs
@@ -167,7 +172,7 @@ class GraphSession:
     def run_captured(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Run feeds padded to a `capture_shape` bucket as that bucket's CUDA graph (a replay is too short to need
         stopping); the plain run where the session does not capture, or the bucket did not fit the arena."""
-        if self.captured is None or self.captured.refused(feeds):
+        if self.captured is None or self.captured.refused(feeds) or not self.captured.replays(feeds):
             return self.run(feeds)
         self.runs += 1
         with memory_errors():

@@ -37,4 +37,4 @@ python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone \
 # Text-only one-question requests at 64 clients, our server alone.
 python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone --family "$family" --kinds text1 --clients 64 \
   --seconds "$seconds" --out "$out/serve_bench_text1_${size}_${mode}.json"
-grep "systemone serve:" "$out/serve.log" || true
+grep "systemone serve:\|cuda graphs" "$out/serve.log" || true

@@ -172,6 +172,7 @@ def main() -> None:
         "the server's" if release_freed_memory() else "not glibc: defaults")
     one_blas_thread()  # the stages below run in this thread, as the media pool runs them in its own
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
+    service.warm_up()  # this thread times the graphs: their CUDA graphs are captured here
     if args.frame_threads:
         service.engine.media.frame_pool = ThreadPoolExecutor(args.frame_threads, initializer=one_blas_thread)
     frame_threads = args.frame_threads or FRAME_THREADS

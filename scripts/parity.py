@@ -59,6 +59,7 @@ def main() -> None:
         checkpoint = build_d3_checkpoint(work / f"{args.size}-{mode}", args.size, mode)
         artifact = export_checkpoint(str(checkpoint), work / f"{args.size}-{mode}-onnx", overwrite=True)
         service = DecisionService(Artifact.load(artifact), EngineOptions(device=args.device))
+        service.warm_up()  # this thread times the graphs: their CUDA graphs are captured here
         reference = D3ExportConfig(checkpoint)
         if args.device == "cuda":
             reference.model.to("cuda")

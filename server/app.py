@@ -84,6 +84,13 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The engine warms up on the scheduler's engine thread before the first request (d3 on CUDA: every bucket's
+        # CUDA graph captured there, where it is replayed).
+        started_at = time.monotonic()
+        await asyncio.to_thread(scheduler.start)
+        if service.captures:
+            log.info("cuda graphs %s in %.1f s on the engine thread", service.cuda_graphs,
+                        time.monotonic() - started_at)
         yield
         # uvicorn has let the requests in flight finish (their answers came from the scheduler); anything still
         # queued finishes before the process ends.

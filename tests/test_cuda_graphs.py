@@ -5,11 +5,13 @@ checked here on the CPU."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
-from systemone.runtime.cuda_graphs import GRAPH_ID, CaptureBuckets, uncaptured
+from systemone.runtime.cuda_graphs import GRAPH_ID, CaptureBuckets, CapturedRuns, uncaptured
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from systemone.runtime.session import GraphSession
 
@@ -75,3 +77,17 @@ def test_a_capturing_session_runs_the_rest_uncaptured():
 def test_the_service_says_what_it_captured(d3_service):
     """`serve` and `bench` read it from the service: on the CPU nothing is captured."""
     assert d3_service.captures is False and d3_service.cuda_graphs == "off"
+
+
+def test_only_the_thread_that_captured_replays_and_nothing_captures_after_warm_up():
+    """onnxruntime keeps captured graphs in the capturing thread's context and captures a shape on its third run
+    there: so the warm-up's thread alone replays, only the shapes it captured, and every other run is plain."""
+    runs = CapturedRuns(session=None)
+    small, other = ({"input_ids": np.zeros((batch, 32), np.int64)} for batch in (1, 2))
+    assert not runs.replays(small)  # before any warm-up nobody replays
+    with runs.capturing_here():
+        assert runs.replays(small) and runs.replays(other)  # the warm-up's runs capture
+        runs.bindings[runs._key(small)] = object()  # what a capture leaves: the shape's bound buffers
+    assert runs.replays(small) and not runs.replays(other)  # a shape not captured at warm-up runs plainly
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(runs.replays, small).result() is False  # another thread's runs are plain

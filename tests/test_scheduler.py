@@ -386,3 +386,47 @@ def test_unanswered_rows_keep_their_question_order():
     readouts = scheduler.submit(held(10), Deadline()).result(timeout=10)
     scheduler.close()
     assert [r.scores[0] for r in readouts] == list(map(float, range(10)))
+
+
+class WarmingVision(HeldVision):
+    """Its warm-up (where d3 captures CUDA graphs) waits until the test releases it; every graph run records the
+    thread it ran on."""
+
+    def __init__(self):
+        super().__init__()
+        self.warming = threading.Event()
+        self.warm_release = threading.Event()
+        self.warm_thread: int | None = None
+        self.ran: list[tuple[str, bool]] = []  # (what, whether the warm-up was over)
+
+    def warm_up(self):
+        self.warm_thread = threading.get_ident()
+        self.warming.set()
+        assert self.warm_release.wait(10)
+
+    def encode_media(self, prepared, run_options=None):
+        self.ran.append(("vision", self.warm_release.is_set()))
+        return None
+
+    def run_rows(self, rows, run_options=None):
+        self.ran.append(("text on the warm-up thread", threading.get_ident() == self.warm_thread))
+        return [Readout({0: 1.0}) for _ in rows]
+
+
+def test_the_engine_warms_up_on_its_own_thread_before_any_graph_runs_in_either_lane():
+    """onnxruntime keeps a CUDA graph in the thread that captured it, and a capture fails while another thread runs
+    a graph (runtime/cuda_graphs.py): so the engine thread warms up first, and the media lane waits for it."""
+    engine = WarmingVision()
+    scheduler = Scheduler(engine, batch_rows=4, batch_wait_s=0.0, media_lane=True)
+    starting = threading.Thread(target=scheduler.start)
+    starting.start()
+    assert engine.warming.wait(10)
+    image = scheduler.submit(Prepared(None, [0], [], [], media="an image"), Deadline())
+    text = scheduler.submit(held(1), Deadline())
+    time.sleep(0.2)
+    assert engine.ran == [] and starting.is_alive()  # nothing runs, and start() waits, until the warm-up is over
+    engine.warm_release.set()
+    starting.join(timeout=10)
+    assert len(image.result(timeout=10)) == 1 and len(text.result(timeout=10)) == 1
+    assert ("vision", True) in engine.ran and all(done for _, done in engine.ran)
+    scheduler.close()

@@ -49,11 +49,13 @@ class D3Engine(Engine):
         self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
                                     options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
         self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]))
-        self.runner.capture()
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
                                            options.gpu_memory)
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
         self.max_chars_per_token = artifact.tokenizer.max_token_chars()
+
+    def warm_up(self) -> None:
+        self.runner.capture()
 
     def _check_tokens(self, question: Question, n: int) -> None:
         if n > self.max_model_len:
