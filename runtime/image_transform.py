@@ -228,14 +228,30 @@ def patch_rows(frames: int, height: int, width: int, channels: int, patch: int, 
                     dtype=np.float32)
 
 
-def put_frame(rows: np.ndarray, position: int, frame: np.ndarray, patch: int, merge: int, temporal: int) -> None:
+def put_frame(rows: np.ndarray, position: int, frame: np.ndarray, patch: int, merge: int, temporal: int,
+              top: int = 0, height: int | None = None) -> None:
     """Write one normalized [H, W, C] frame as frame `position` of `rows`, in (temporal group, merge block,
-    in-block) row order and (C, temporal, py, px) column order (spec 4.9): one strided copy, no stacked frames."""
-    height, width, channels = frame.shape
-    h, w = height // patch, width // patch
-    view = rows.reshape(-1, h // merge, w // merge, merge, merge, channels, temporal, patch, patch)
-    blocks = frame.reshape(h // merge, merge, patch, w // merge, merge, patch, channels).transpose(0, 3, 1, 4, 6, 2, 5)
-    view[position // temporal, :, :, :, :, :, position % temporal] = blocks  # bh, bw, mh, mw, C, py, px
+    in-block) row order and (C, temporal, py, px) column order (spec 4.9): one strided copy, no stacked frames.
+    `frame` may be a band of a frame `height` pixel rows high, starting at row `top` (a multiple of
+    merge x patch)."""
+    band, width, channels = frame.shape
+    side = merge * patch
+    height = height or band
+    view = rows.reshape(-1, height // side, width // side, merge, merge, channels, temporal, patch, patch)
+    blocks = frame.reshape(band // side, merge, patch, width // side, merge, patch, channels).transpose(0, 3, 1, 4, 6, 2, 5)
+    view[position // temporal, top // side:(top + band) // side, :, :, :, :, position % temporal] = blocks
+
+
+def put_normalized(rows: np.ndarray, positions: range, image: np.ndarray, patch: int, merge: int, temporal: int,
+                   mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    """Normalize a uint8 [H, W, C] frame into `rows` as each of frames `positions`, one band of merge x patch pixel
+    rows at a time: a whole normalized frame (2.2 MB for a video frame of 320 x 576) would be mapped and faulted in
+    afresh each time (server/allocator.py), a band comes from the heap."""
+    side = merge * patch
+    for top in range(0, image.shape[0], side):
+        band = normalize(image[top:top + side], mean, std)
+        for position in positions:
+            put_frame(rows, position, band, patch, merge, temporal, top, image.shape[0])
 
 
 def patchify(frames: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -253,8 +269,6 @@ def qwen_image(rgb: np.ndarray, patch: int, merge: int, temporal: int, mean: tup
     """One RGB uint8 [H, W, 3] image -> (pixel_values rows, grid (1, h, w) in patches): smart resize, bicubic,
     normalize, the frame repeated to `temporal` frames, patchify (spec 4.9)."""
     height, width = smart_resize(rgb.shape[0], rgb.shape[1], patch * merge, min_pixels, max_pixels)
-    frame = normalize(resize_bicubic(rgb, height, width), mean, std)
-    rows = patch_rows(temporal, height, width, frame.shape[2], patch, temporal)
-    for position in range(temporal):
-        put_frame(rows, position, frame, patch, merge, temporal)
+    rows = patch_rows(temporal, height, width, rgb.shape[2], patch, temporal)
+    put_normalized(rows, range(temporal), resize_bicubic(rgb, height, width), patch, merge, temporal, mean, std)
     return rows, (1, height // patch, width // patch)

@@ -125,7 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _print_summary(service, args)
     print(f"systemone serve: {'batch rows':<13} {app.state.batch_sizing.describe()}", flush=True)
     print(f"systemone serve: {'allocator':<13} "
-          + ("buffers of 1 MiB and more unmapped when freed, 2 malloc arenas" if released
+          + ("buffers of 1 MiB and more unmapped when freed, up to 16 MiB kept free atop each of 2 malloc arenas"
+             if released
              else "the C library's defaults (not glibc)"), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(args.request_timeout) + 5,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..deadline import Deadline
-from ..image_transform import normalize, patch_rows, put_frame, resize_bicubic
+from ..image_transform import patch_rows, put_normalized, resize_bicubic
 from ..media_decode import MAX_IMAGE_PIXELS, decode_image
 from ..media_allowance import MediaAllowance, MediaBudget
 from ..media_fetch import MediaError, MediaTooLarge
@@ -238,9 +238,9 @@ def qwen_video(frames: Sequence[np.ndarray], patch: int, merge: int, temporal: i
     padded = -len(frames) % temporal
 
     def place(index: int) -> None:
-        frame = normalize(resize_bicubic(frames[index], height, width), mean, std)
-        for position in range(index, index + 1 + (padded if index == len(frames) - 1 else 0)):
-            put_frame(rows, position, frame, patch, merge, temporal)
+        positions = range(index, index + 1 + (padded if index == len(frames) - 1 else 0))
+        put_normalized(rows, positions, resize_bicubic(frames[index], height, width), patch, merge, temporal, mean,
+                       std)
 
     list(pool.map(place, range(len(frames))) if pool is not None else map(place, range(len(frames))))
     return rows, (-(-len(frames) // temporal), height // patch, width // patch)
