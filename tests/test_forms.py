@@ -100,6 +100,7 @@ def test_the_form_rewrites_the_vision_graph_with_only_its_matrix_products_in_fp1
     portable = onnx.load(str(artifact / "vision.onnx"), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in [*half.graph.input, *half.graph.output]}
     assert types == {v.name: v.type.tensor_type.elem_type for v in [*portable.graph.input, *portable.graph.output]}
+    # (d3's fused rung also reads each block's attention in fp16, as one MultiHeadAttention node: below.)
     assert fp16_producers(half) == {"MatMul", "Gemm", "Cast"} | ({"Gather"} if family == "d3" else set())
     # Every product on a weight reads it in fp16 (the output's reads its fp32 weight through an Identity).
     weights = {t.name: t.data_type for t in half.graph.initializer}
@@ -233,10 +234,11 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
         assert refused.refused.startswith("answers disagree") and refused.graphs == {}
         for file in form_files(name).values():
             assert not (out / file).exists() and not (out / f"{file}.data").exists()
-    assert len(exports) == 1  # the fused graph is exported once for the three fused forms
+    assert [path.name.split(".")[0] for path in exports] == ["text", "vision"]  # each fused graph once for 3 forms
     assert sorted(path.name for path in out.glob("*.float32.onnx*")) == []  # the fused fp32 export is removed
-    # The vision graph, at one precision on every rung, is converted once; each rung links to that conversion.
-    assert conversions.count(("vision", "float16-matmuls")) == 1
+    # The vision graph, at one precision on every rung, is converted once from each source (the fused one for the
+    # fused rungs, the portable one for the others); each rung links to its source's conversion.
+    assert conversions.count(("vision", "float16-matmuls")) == 2
     assert [c for c in conversions if c[0] == "text"] == [("text", p) for p in ("float16", "float16-mixed",
                                                                                  "float16-matmuls") * 2]
     assert sorted(path.name for path in out.glob("*.kept*")) == []
@@ -407,3 +409,27 @@ def test_twin_casts_the_converter_writes_for_a_value_listed_twice_are_made_one()
     graph = helper.make_graph([cast("c", TensorProto.FLOAT), cast("c", TensorProto.DOUBLE)], "g", [], [])
     with pytest.raises(ValueError, match="two different casts write 'y_cast_to_fp32'"):
         drop_twin_casts(graph)
+
+
+def test_the_fused_vision_graph_in_torch_is_the_portable_one(d3_checkpoint):
+    """The attention op's eager body is the portable vision graph's attention: both modules agree on a segment."""
+    import torch
+
+    from systemone.export.d3.config import D3ExportConfig
+
+    config = D3ExportConfig(d3_checkpoint)
+    inputs = config.vision_example_inputs()
+    with torch.no_grad():
+        portable, fused = (config.vision_graph(fused=fused)(*inputs) for fused in (False, True))
+    assert torch.allclose(portable, fused, atol=1e-5), (portable - fused).abs().max()
+
+
+def test_the_fused_forms_vision_graph_runs_each_blocks_attention_as_one_node(d3_artifact):
+    """No n x n scores: each vision block's attention is one MultiHeadAttention node (flash or memory-efficient
+    attention on CUDA) reading fp16 query, key and value; no Softmax is left."""
+    half = onnx.load(str(d3_artifact / "vision.cuda-fused-fp16.onnx"), load_external_data=False)
+    portable = onnx.load(str(d3_artifact / "vision.onnx"), load_external_data=False)
+    attention = [n for n in half.graph.node if n.op_type == "MultiHeadAttention"]
+    assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
+    assert not any(n.op_type == "Softmax" for n in half.graph.node)
+    assert all(n.domain == "com.microsoft" for n in attention)

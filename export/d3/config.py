@@ -93,8 +93,8 @@ class D3ExportConfig(ExportConfig):
     def vision_config(self):
         return self.model.config.vision_config
 
-    def vision_graph(self) -> D3VisionGraph:
-        return D3VisionGraph(self.model.visual).eval()
+    def vision_graph(self, fused: bool = False) -> D3VisionGraph:
+        return D3VisionGraph(self.model.visual, fused).eval()
 
     def vision_example_inputs(self) -> tuple[torch.Tensor, ...]:
         h, w = 16, 20
@@ -219,15 +219,17 @@ class D3ExportConfig(ExportConfig):
         from .answer_parity import parity_requests, question_pairs
 
         # Both graphs in half precision, each with its output in fp32: the text graph at the rung's precision (the
-        # fused text graph runs the delta rule as onnxruntime's GatedDeltaNet node); the vision graph converted from
-        # the portable one with only its matrix products in fp16 on every rung (autocast's split: its norms, softmax
-        # and residual sums keep fp32's range). The gate's media requests run it.
-        text = self.graphs()[0]
-        fused = replace(text, module=lambda: self.graph(fused=True), translations=TRANSLATIONS)
+        # fused text graph runs the delta rule as onnxruntime's GatedDeltaNet node); the vision graph with only its
+        # matrix products in fp16 on every rung (autocast's split: its norms and residual sums keep fp32's range),
+        # converted from the fused one on the fused rungs (each block's attention one MultiHeadAttention node read
+        # in fp16) and from the portable one on the others. The gate's media requests run it.
+        text, vision = self.graphs()
+        fused = {"text": replace(text, module=lambda: self.graph(fused=True), translations=TRANSLATIONS),
+                 "vision": replace(vision, module=lambda: self.vision_graph(fused=True), translations=TRANSLATIONS)}
         requests = parity_requests(GATE_REQUESTS, GATE_MEDIA_EVERY)
         return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
                           lambda service: question_pairs(service, self, requests),
-                          fused={"text": fused}, graph_precisions={"vision": FLOAT16_MATMULS})
+                          fused=fused, graph_precisions={"vision": FLOAT16_MATMULS})
 
     def write_runtime_files(self, staging: Path) -> RuntimeFiles:
         bits = write_runtime_files(self.checkpoint, staging)

@@ -1,6 +1,7 @@
-"""onnxruntime's fused contrib ops for the CUDA form's d3 text graph (docs/gpu.md, "The fused form"): each Gated
-DeltaNet layer's short convolution, delta rule and gated norm as one node each, in place of the portable graph's
-dozens (and its `Scan`, which runs its loop logic on the host and cannot be captured as a CUDA graph).
+"""onnxruntime's fused contrib ops for the CUDA form's d3 graphs (docs/gpu.md, "The fused form"): in the text graph,
+each Gated DeltaNet layer's short convolution, delta rule and gated norm as one node each, in place of the portable
+graph's dozens (and its `Scan`, which runs its loop logic on the host and cannot be captured as a CUDA graph); in
+the vision graph, each block's attention as one node, which never materialises the n x n scores.
 
 Each is a torch custom op (`systemone::...`) whose eager body is the portable graph's computation, and
 `TRANSLATIONS` maps it to its `com.microsoft` node when `torch.onnx.export` writes the graph. onnx has no schema
@@ -15,6 +16,9 @@ inputs and attributes by it). The nodes, and the sums they compute:
   tensor-core engine runs only with fp16 query/key/value (128-wide heads): the node reads them in fp16; decay,
   update rate and state stay fp32 (the op's contract).
 - `GatedRMSNorm` (SiLU gate): y = x / sqrt(mean(x^2) + eps) * w * silu(z), over each head's values.
+- `MultiHeadAttention` (no mask, one segment): out = softmax(scale q k^T) v per head, read in fp16 (on CUDA its
+  flash and memory-efficient kernels run in half precision) and returned in fp32. The portable vision graph's
+  fp32 scores for a 1280 x 960 photo (4,800 patches) are 4,800^2 per head and block.
 """
 
 import onnx
@@ -51,6 +55,9 @@ GATED_DELTA_NET = _op(
     [("T", _HALF_OR_FLOAT, ""), ("TI", ["tensor(int32)"], ""), ("TS", ["tensor(float)"], "")],
     {"update_rule": _AttrType.STRING, "gate_activation": _AttrType.STRING, "beta_activation": _AttrType.STRING,
      "qk_l2_norm": _AttrType.INT, "scale": _AttrType.FLOAT})
+MULTI_HEAD_ATTENTION = _op("MultiHeadAttention", [_Param("query", "T"), _Param("key", "T"), _Param("value", "T")],
+                           [_Param("output", "T")], [("T", _HALF_OR_FLOAT, "")],
+                           {"num_heads": _AttrType.INT, "scale": _AttrType.FLOAT})
 GATED_RMS_NORM = _op("GatedRMSNorm", [_Param("X", "T"), _Param("scale", "T"), _Param("gate", "T")],
                      [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")],
                      {"epsilon": _AttrType.FLOAT, "activation": _AttrType.STRING})
@@ -122,6 +129,33 @@ def _gated_rms_norm(x: FLOAT, weight: FLOAT, gate: FLOAT, eps: float) -> FLOAT:
     return GATED_RMS_NORM(x, weight, gate, epsilon=eps, activation="silu")
 
 
+# -- the vision tower's attention ---------------------------------------------------------------------------------
+@torch.library.custom_op("systemone::segment_attention", mutates_args=())
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: int,
+                      scale: float) -> torch.Tensor:
+    """query, key, value [n, H, D] fp32 (H = `heads`, an attribute of the node), one attention segment, no mask
+    -> [n, H * D]."""
+    q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [H, n, D]
+    probs = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
+    return (probs @ v).transpose(0, 1).reshape(query.shape[0], -1).contiguous()
+
+
+@segment_attention.register_fake
+def _(query, key, value, heads, scale):
+    return query.new_empty((query.shape[0], query.shape[1] * query.shape[2]))
+
+
+def _segment_attention(query: FLOAT, key: FLOAT, value: FLOAT, heads: int, scale: float) -> FLOAT:
+    # [n, H, D] -> [1, n, H * D], the op's layout, then fp16: the node is all the fp16 there is.
+    flat, first = op.Constant(value_ints=[0, -1]), op.Constant(value_ints=[0])
+    q = op.Cast(op.Unsqueeze(op.Reshape(query, flat), first), to=FLOAT16.dtype)
+    k = op.Cast(op.Unsqueeze(op.Reshape(key, flat), first), to=FLOAT16.dtype)
+    v = op.Cast(op.Unsqueeze(op.Reshape(value, flat), first), to=FLOAT16.dtype)
+    out = MULTI_HEAD_ATTENTION(q, k, v, num_heads=heads, scale=scale)
+    return op.Squeeze(op.Cast(out, to=FLOAT.dtype), first)
+
+
 TRANSLATIONS = {torch.ops.systemone.causal_conv_silu.default: _causal_conv,
                 torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
-                torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm}
+                torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm,
+                torch.ops.systemone.segment_attention.default: _segment_attention}

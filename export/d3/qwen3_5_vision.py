@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_ops import segment_attention
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -23,9 +25,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class D3VisionGraph(nn.Module):
-    def __init__(self, visual: nn.Module):
+    """`fused`: each block's attention as onnxruntime's MultiHeadAttention node (export/d3/fused_ops.py), for the
+    CUDA form; the portable graph writes it out as products and a softmax."""
+
+    def __init__(self, visual: nn.Module, fused: bool = False):
         super().__init__()
         self.visual = visual
+        self.fused = fused
         proj = visual.patch_embed.proj
         self.register_buffer("patch_weight", proj.weight.detach().reshape(proj.weight.shape[0], -1).float().clone(),
                              persistent=False)
@@ -42,18 +48,20 @@ class D3VisionGraph(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         for block in visual.blocks:
-            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin)
+            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, self.fused)
             hidden = hidden + block.mlp(block.norm2(hidden))
         merger = visual.merger
         merged = merger.norm(hidden).reshape(-1, merger.hidden_size)
         return merger.linear_fc2(F.gelu(merger.linear_fc1(merged)))
 
     @staticmethod
-    def _attention(attn: nn.Module, hidden, cos, sin):
+    def _attention(attn: nn.Module, hidden, cos, sin, fused: bool):
         n = hidden.shape[0]
         q, k, v = attn.qkv(hidden).reshape(n, 3, attn.num_heads, -1).unbind(1)  # [n, heads, d]
         q = q.float() * cos + _rotate_half(q.float()) * sin
         k = k.float() * cos + _rotate_half(k.float()) * sin
+        if fused:
+            return attn.proj(segment_attention(q, k, v.float(), attn.num_heads, attn.scaling))
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [heads, n, d]
         probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scaling, dim=-1, dtype=torch.float32)
         out = (probs.to(v.dtype) @ v).transpose(0, 1).reshape(n, -1)
