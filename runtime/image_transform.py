@@ -254,20 +254,10 @@ def put_normalized(rows: np.ndarray, positions: range, image: np.ndarray, patch:
             put_frame(rows, position, band, patch, merge, temporal, top, image.shape[0])
 
 
-def patchify(frames: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """[T, H, W, C] float32 (T a multiple of `temporal`) -> rows [t * h * w, C * temporal * patch * patch] in
-    (temporal group, merge block, in-block) order, and the grid (t, h, w) in patches (spec 4.9)."""
-    count, height, width, channels = frames.shape
-    rows = patch_rows(count, height, width, channels, patch, temporal)
-    for position, frame in enumerate(frames):
-        put_frame(rows, position, frame, patch, merge, temporal)
-    return rows, (count // temporal, height // patch, width // patch)
-
-
 def qwen_image(rgb: np.ndarray, patch: int, merge: int, temporal: int, mean: tuple[float, ...],
                std: tuple[float, ...], min_pixels: int, max_pixels: int) -> tuple[np.ndarray, tuple[int, int, int]]:
     """One RGB uint8 [H, W, 3] image -> (pixel_values rows, grid (1, h, w) in patches): smart resize, bicubic,
-    normalize, the frame repeated to `temporal` frames, patchify (spec 4.9)."""
+    normalize into pixel rows, the frame repeated to `temporal` frames (spec 4.9)."""
     height, width = smart_resize(rgb.shape[0], rgb.shape[1], patch * merge, min_pixels, max_pixels)
     rows = patch_rows(temporal, height, width, rgb.shape[2], patch, temporal)
     put_normalized(rows, range(temporal), resize_bicubic(rgb, height, width), patch, merge, temporal, mean, std)

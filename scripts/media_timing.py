@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 T = TypeVar("T")
-STAGES = ("body", "fetch", "demux", "frame decode", "resize", "normalize", "patchify", "load", "prompts",
+STAGES = ("body", "fetch", "demux", "frame decode", "resize", "pixel rows", "load", "prompts",
           "vision graph", "text graph")
 
 
@@ -78,7 +78,7 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
     """One request through every stage; its shape (for the header)."""
     from systemone.runtime.d3 import video as d3_video
     from systemone.runtime.deadline import Deadline
-    from systemone.runtime.image_transform import normalize, patchify, resize_bicubic, smart_resize
+    from systemone.runtime.image_transform import patch_rows, put_normalized, resize_bicubic, smart_resize
     from systemone.runtime.media_allowance import MediaAllowance
     from systemone.runtime.media_decode import decode_image
     from systemone.runtime.media_encoder import LoadedMedia
@@ -103,17 +103,18 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
         watch.time("demux", lambda: demux_once(data))
         frames = watch.time("frame decode", lambda: d3_video.decode_video(data, where).frames)
         height, width = d3_video.video_size(len(frames), *frames[0].shape[:2], factor, temporal)
-    # A video's frames are resized in the encoder's frame threads, as load_one resizes them.
-    resize = (encoder.frame_pool.map if kind == "video" else map)
-    resized = watch.time("resize", lambda: np.stack(list(resize(lambda f: resize_bicubic(f, height, width), frames))))
-    normalized = watch.time("normalize", lambda: normalize(resized, encoder.mean, encoder.std))
-
-    def grouped() -> np.ndarray:  # an image is one frame repeated to a temporal group; a video padded with its last
-        whole = (np.repeat(normalized, temporal, axis=0) if kind == "image"
-                 else np.concatenate([normalized, np.repeat(normalized[-1:], -len(normalized) % temporal, axis=0)]))
-        return patchify(whole, encoder.patch, encoder.merge, temporal)[0]
-
-    watch.time("patchify", grouped)
+    # A video's frames are resized, then normalized into their pixel rows, in the encoder's frame threads, as
+    # load_one does both (there one frame after the other in each thread; here one stage after the other).
+    pool_map = (encoder.frame_pool.map if kind == "video" else map)
+    resized = watch.time("resize", lambda: list(pool_map(lambda f: resize_bicubic(f, height, width), frames)))
+    # An image is one frame repeated to a temporal group; a video's last frame pads it to whole groups.
+    count = temporal if kind == "image" else len(resized) + -len(resized) % temporal
+    places = ([range(temporal)] if kind == "image"
+              else [range(i, i + 1) for i in range(len(resized) - 1)] + [range(len(resized) - 1, count)])
+    rows = patch_rows(count, height, width, 3, encoder.patch, temporal)
+    watch.time("pixel rows", lambda: list(pool_map(
+        lambda job: put_normalized(rows, job[1], job[0], encoder.patch, encoder.merge, temporal, encoder.mean,
+                                   encoder.std), zip(resized, places))))
     item = watch.time("load", lambda: encoder.load_one(key, where, Deadline(), MediaAllowance(service.media_pool.budget)))
     prepared = watch.time("prompts", lambda: engine.prepare(request, questions, LoadedMedia([key], {key: item})))
     encoded = watch.time("vision graph", lambda: engine.encode_media(prepared))
