@@ -27,6 +27,7 @@ answers. `close` lets every request already submitted finish, then ends the thre
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -42,6 +43,8 @@ from ..models.family import Readout
 from .batch import TextRow
 from .deadline import Deadline
 from .engine import Engine, Prepared
+
+log = logging.getLogger(__name__)
 
 # The shortest row of a call is at least this fraction of its longest: a row much shorter waits for a call of its
 # own rather than pay for the padding.
@@ -192,6 +195,8 @@ class Scheduler:
         if lane == TEXT:
             try:
                 self.engine.warm_up()
+            except Exception:  # noqa: BLE001 - serving without the warm-up beats serving nothing
+                log.exception("the engine's warm-up failed; serving without it")
             finally:
                 self._warm.set()
         else:

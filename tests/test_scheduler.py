@@ -430,3 +430,17 @@ def test_the_engine_warms_up_on_its_own_thread_before_any_graph_runs_in_either_l
     assert len(image.result(timeout=10)) == 1 and len(text.result(timeout=10)) == 1
     assert ("vision", True) in engine.ran and all(done for _, done in engine.ran)
     scheduler.close()
+
+
+def test_a_warm_up_that_fails_is_logged_and_the_engine_serves_without_it(caplog):
+    class FailingWarmUp(HeldEngine):
+        def warm_up(self):
+            raise RuntimeError("no capture today")
+
+    engine = FailingWarmUp()
+    engine.release.set()
+    scheduler = Scheduler(engine, batch_rows=2, batch_wait_s=0.0)
+    scheduler.start()
+    assert len(scheduler.submit(held(2), Deadline()).result(timeout=10)) == 2
+    assert "warm-up failed" in caplog.text and "no capture today" in caplog.text
+    scheduler.close()
