@@ -95,17 +95,20 @@ class _Bands:
 @lru_cache(maxsize=64)
 def _bands(in_size: int, out_size: int, filt: _Filter) -> _Bands:
     index, weights, precision = _int16_taps(in_size, out_size, filt)
-    dense = np.zeros((out_size, in_size), dtype=np.int64)
-    np.add.at(dense, (np.arange(out_size)[:, None], index), weights)  # taps past a pixel's window weigh 0
-    bias = 128 * (dense.sum(axis=1) - (1 << precision)) + (1 << (precision - 1))
-    bound = 128 * int(np.abs(dense).sum(axis=1).max()) + int(np.abs(bias).max())
+    weights = weights.astype(np.int64)
+    bias = 128 * (weights.sum(axis=1) - (1 << precision)) + (1 << (precision - 1))
+    bound = 128 * int(np.abs(weights).sum(axis=1).max()) + int(np.abs(bias).max())
     dtype = np.float32 if bound < 1 << 24 else np.float64
     blocks = []
     for start in range(0, out_size, BLOCK):
-        rows = dense[start:start + BLOCK]
-        used = np.flatnonzero(rows.any(axis=0))
-        lo, hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 1)
-        block = rows[:, lo:hi].astype(dtype)
+        taps, rows = index[start:start + BLOCK], weights[start:start + BLOCK]
+        used = taps[rows != 0]
+        lo, hi = (int(used.min()), int(used.max()) + 1) if used.size else (0, 1)
+        # Only the block's own window is made, never the whole out x in matrix (100 MB for a 10,000-pixel side).
+        # The taps past a pixel's window weigh 0 and may fall outside it: clipped into it, they add nothing.
+        block = np.zeros((len(rows), hi - lo), dtype=np.int64)
+        np.add.at(block, (np.arange(len(rows))[:, None], np.clip(taps - lo, 0, hi - lo - 1)), rows)
+        block = block.astype(dtype)
         block.flags.writeable = False
         blocks.append((start, start + len(rows), lo, hi, block))
     bias = bias.astype(dtype)
