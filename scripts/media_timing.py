@@ -108,10 +108,8 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
     pool_map = (encoder.frame_pool.map if kind == "video" else map)
     resized = watch.time("resize", lambda: list(pool_map(lambda f: resize_bicubic(f, height, width), frames)))
     # An image is one frame repeated to a temporal group; a video's last frame pads it to whole groups.
-    count = temporal if kind == "image" else len(resized) + -len(resized) % temporal
-    places = ([range(temporal)] if kind == "image"
-              else [range(i, i + 1) for i in range(len(resized) - 1)] + [range(len(resized) - 1, count)])
-    rows = patch_rows(count, height, width, 3, encoder.patch, temporal)
+    places = [range(temporal)] if kind == "image" else d3_video.frame_places(len(resized), temporal)
+    rows = patch_rows(places[-1].stop, height, width, 3, encoder.patch, temporal)
     watch.time("pixel rows", lambda: list(pool_map(
         lambda job: put_normalized(rows, job[1], job[0], encoder.patch, encoder.merge, temporal, encoder.mean,
                                    encoder.std), zip(resized, places))))
