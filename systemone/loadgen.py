@@ -218,16 +218,10 @@ def server_metrics(url: str) -> dict[str, float]:
 def work_shares(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
     """Where the server's time went during a run, from its counters: each scheduler lane's busy share of the wall
     time (text near 1: the text graph is the bound) and the media threads loading on average."""
-    def rate(name: str) -> float:
-        return (after.get(name, 0.0) - before.get(name, 0.0)) / seconds
-
-    shares = {f"{lane}_lane_busy": rate(f'systemone_engine_busy_seconds_total{{lane="{lane}"}}')
-              for lane in ("text", "media") if f'systemone_engine_busy_seconds_total{{lane="{lane}"}}' in after}
-    shares.update({f"{lane}_lane_jobs_per_s": rate(f'systemone_engine_jobs_total{{lane="{lane}"}}')
-                   for lane in ("text", "media") if f'systemone_engine_jobs_total{{lane="{lane}"}}' in after})
-    if "systemone_media_load_seconds_total" in after:
-        shares["media_threads_loading"] = rate("systemone_media_load_seconds_total")
-    return shares
+    counters = {f"{lane}_lane_{share}": f'systemone_engine_{counter}_total{{lane="{lane}"}}'
+                for share, counter in (("busy", "busy_seconds"), ("jobs_per_s", "jobs")) for lane in ("text", "media")}
+    counters["media_threads_loading"] = "systemone_media_load_seconds_total"
+    return {share: (after[name] - before.get(name, 0.0)) / seconds for share, name in counters.items() if name in after}
 
 
 def run_load(url: str, family: str, clients: tuple[int, ...], seconds: float, model: str | None = None,
