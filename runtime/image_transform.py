@@ -8,11 +8,14 @@ pass rounded and clipped to uint8; an axis whose size does not change is not res
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
+
+from .deadline import Deadline
+from .pixel_workers import PixelWorkers
 
 BICUBIC_A = -0.5  # Pillow's (and torchvision's antialias) cubic convolution coefficient
 
@@ -223,12 +226,11 @@ def normalize(image: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]
     return cv2.LUT(pixels, table.reshape(256, 1, channels)).reshape(image.shape)
 
 
-def patch_rows(frames: int, height: int, width: int, channels: int, patch: int, temporal: int) -> np.ndarray:
-    """Empty pixel rows for `frames` frames of height x width (padded to whole temporal groups): [t * h * w,
-    C * temporal * patch * patch] float32, filled frame by frame with `put_frame`."""
+def rows_shape(frames: int, height: int, width: int, channels: int, patch: int, temporal: int) -> tuple[int, int]:
+    """The pixel rows of `frames` frames of height x width (padded to whole temporal groups): [t * h * w,
+    C * temporal * patch * patch] (float32), filled frame by frame with `put_frame`."""
     groups = -(-frames // temporal)
-    return np.empty((groups * (height // patch) * (width // patch), channels * temporal * patch * patch),
-                    dtype=np.float32)
+    return groups * (height // patch) * (width // patch), channels * temporal * patch * patch
 
 
 def put_frame(rows: np.ndarray, position: int, frame: np.ndarray, patch: int, merge: int, temporal: int,
@@ -257,11 +259,28 @@ def put_normalized(rows: np.ndarray, positions: range, image: np.ndarray, patch:
             put_frame(rows, position, band, patch, merge, temporal, top, image.shape[0])
 
 
+def fill_image_rows(images: Sequence[np.ndarray], rows: np.ndarray, part: None, stopped: Callable[[], bool], *,
+                    height: int, width: int, patch: int, merge: int, temporal: int, mean: tuple[float, ...],
+                    std: tuple[float, ...]) -> None:
+    """The one image resized, normalized and written into `rows` as every frame of its temporal group (a `Fill` of
+    runtime/pixel_workers.py)."""
+    if not stopped():
+        put_normalized(rows, range(temporal), resize_bicubic(images[0], height, width), patch, merge, temporal,
+                       mean, std)
+
+
 def qwen_image(rgb: np.ndarray, patch: int, merge: int, temporal: int, mean: tuple[float, ...],
-               std: tuple[float, ...], min_pixels: int, max_pixels: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+               std: tuple[float, ...], min_pixels: int, max_pixels: int, workers: PixelWorkers | None = None,
+               deadline: Deadline | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
     """One RGB uint8 [H, W, 3] image -> (pixel_values rows, grid (1, h, w) in patches): smart resize, bicubic,
-    normalize into pixel rows, the frame repeated to `temporal` frames (spec 4.9)."""
+    normalize into pixel rows, the frame repeated to `temporal` frames (spec 4.9); in `workers` where given."""
     height, width = smart_resize(rgb.shape[0], rgb.shape[1], patch * merge, min_pixels, max_pixels)
-    rows = patch_rows(temporal, height, width, rgb.shape[2], patch, temporal)
-    put_normalized(rows, range(temporal), resize_bicubic(rgb, height, width), patch, merge, temporal, mean, std)
-    return rows, (1, height // patch, width // patch)
+    shape = rows_shape(temporal, height, width, rgb.shape[2], patch, temporal)
+    fill = partial(fill_image_rows, height=height, width=width, patch=patch, merge=merge, temporal=temporal,
+                   mean=mean, std=std)
+    grid = (1, height // patch, width // patch)
+    if workers is None:
+        rows = np.empty(shape, dtype=np.float32)
+        fill([rgb], rows, None, lambda: False)
+        return rows, grid
+    return workers.fill(fill, [rgb], shape, [None], deadline or Deadline()), grid

@@ -20,6 +20,7 @@ from ..models.request import DecisionRequest
 from .deadline import Deadline
 from .media_allowance import MediaAllowance
 from .media_fetch import FetchPolicy
+from .pixel_workers import PixelWorkers
 from .session import GraphSession
 
 Item = TypeVar("Item")
@@ -46,9 +47,11 @@ class MediaEncoder(ABC, Generic[Item]):
         """(key, where) of every media input in prompt order; `where` names it in errors ("images[0]")."""
 
     @abstractmethod
-    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance) -> Item:
+    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance,
+                 workers: PixelWorkers) -> Item:
         """Fetch, decode and preprocess one input within the request's `deadline` and media budget
-        (`allowance`); a `DecisionError` naming `where` when it cannot be read (runtime/media_pool.py runs it)."""
+        (`allowance`), its pixel work in `workers`; a `DecisionError` naming `where` when it cannot be read
+        (runtime/media_pool.py runs it)."""
 
     @abstractmethod
     def rows(self, item: Item, run_options: Any) -> np.ndarray:

@@ -1,5 +1,7 @@
 """The threads that load media (fetch, decode, preprocess): a fixed number shared by every request
 (--media-workers), apart from the threads that parse requests, so slow media servers can only make media wait.
+Their pixel work (resizes, pixel rows) goes on to the pool's pixel workers: worker processes (--media-processes),
+which the GIL does not hold back (runtime/pixel_workers.py).
 
 Each distinct input of a request is one job (decision 6: the same URL twice is loaded once), run within the
 request's deadline. When the deadline passes, or a job fails, the request's media batch is cancelled: fetches in
@@ -23,6 +25,7 @@ from .blas_threads import one_blas_thread
 from .deadline import Deadline
 from .media_allowance import MediaAllowance, MediaBudget
 from .media_encoder import LoadedMedia, MediaEncoder
+from .pixel_workers import PixelWorkers
 
 
 def _timeout(deadline: Deadline) -> float | None:
@@ -31,12 +34,13 @@ def _timeout(deadline: Deadline) -> float | None:
 
 
 class MediaPool:
-    def __init__(self, workers: int = 8, budget: MediaBudget | None = None):
+    def __init__(self, workers: int = 8, budget: MediaBudget | None = None, processes: int = 0):
         if workers < 1:
             raise ValueError("the media pool needs at least one worker")
         self.workers = workers
         self.budget = budget or MediaBudget()
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="systemone-media", initializer=one_blas_thread)
+        self.pixels = PixelWorkers(processes)
         self._lock = threading.Lock()
         self.running = 0  # jobs loading now (shown in /metrics; 0 once every abandoned request's jobs stopped)
         self.queued = 0
@@ -50,11 +54,25 @@ class MediaPool:
         start = time.monotonic()
         try:
             deadline.check()  # the request was abandoned while this job waited for a thread
-            return encoder.load_one(key, where, deadline, allowance)
+            return encoder.load_one(key, where, deadline, allowance, self.pixels)
         finally:
             with self._lock:
                 self.running -= 1
                 self.load_s += time.monotonic() - start
+
+    def describe(self) -> str:
+        pixels = (f"{self.pixels.processes} processes" if self.pixels.processes
+                  else f"{self.pixels.thread_count} threads of this process")
+        return f"{self.workers} threads fetch and decode, {pixels} make pixel rows"
+
+    def start(self) -> None:
+        """The worker processes started now rather than at the first media request."""
+        self.pixels.start()
+
+    def close(self) -> None:
+        """Stop the threads and processes once their jobs are done (a server shutting down)."""
+        self._executor.shutdown(wait=True)
+        self.pixels.close()
 
     def _submit(self, encoder: MediaEncoder[Any], request: DecisionRequest, deadline: Deadline
                 ) -> tuple[list[Hashable], dict[Hashable, Future], Deadline]:

@@ -54,7 +54,7 @@ class DecisionService:
     def __init__(self, artifact: Artifact, options: EngineOptions | None = None,
                  served_model_names: list[str] | None = None, media_limits: MediaLimits | None = None,
                  aliases: tuple[str, ...] = DEFAULT_ALIASES, media_workers: int = 8,
-                 media_budget: MediaBudget | None = None):
+                 media_budget: MediaBudget | None = None, media_processes: int = 0):
         options = options or EngineOptions()
         if options.max_model_len and options.max_model_len > artifact.max_model_len:
             raise ValueError(f"max_model_len={options.max_model_len} is more than the model's "
@@ -67,7 +67,7 @@ class DecisionService:
         self.aliases = aliases
         self.engine: Engine = artifact.entry.load_engine()(artifact, options)
         self.media_limits = media_limits or MediaLimits()
-        self.media_pool = MediaPool(media_workers, media_budget)
+        self.media_pool = MediaPool(media_workers, media_budget, media_processes)
         self._batch_sizing: BatchSizing | None = None
 
     @property
@@ -86,6 +86,10 @@ class DecisionService:
         """The engine's start-up work on this thread (d3: its CUDA graphs captured), for callers that run the
         service directly rather than through the server's scheduler, which warms up on its own engine thread."""
         self.engine.warm_up()
+
+    def close(self) -> None:
+        """Stop the media threads and processes (the engine's sessions go with the object)."""
+        self.media_pool.close()
 
     @property
     def captures(self) -> bool:

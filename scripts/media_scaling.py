@@ -1,8 +1,9 @@
 """Does media preprocessing scale over this machine's cores? The seeds' video (20 frames of 1280x720) through
-`qwen_video` (resize, normalize, pixel rows), K videos at once: in threads sharing F frame threads, as the server's
-media pool and encoder run them, and in K processes of one thread each. Prints videos a second, CPU seconds per
-wall second and page faults a video (scripts/results/gpu_media_scaling_h200.txt: on the H200's host threads stopped
-at 5-7 videos/s, about 2.7 cores, where 16 processes did 42-48).
+`qwen_video` (resize, normalize, pixel rows), K videos at once: in threads sharing F frame threads (the server with
+--media-processes 0), through P pixel worker processes as the server runs them by default (runtime/pixel_workers.py),
+and in K bare processes of one thread each. Prints videos a second, CPU seconds per wall second (this process)
+and page faults a video (scripts/results/gpu_media_scaling_h200.txt: on the H200's host threads stopped at 5-7
+videos/s, about 2.7 cores, where 16 bare processes did 42-48).
 
     python scripts/media_scaling.py [server[:ARENAS] | default]
 """
@@ -13,8 +14,9 @@ import os
 import resource
 import sys
 import time
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -34,10 +36,10 @@ def frames() -> tuple[np.ndarray, ...]:
     return tuple(np.random.default_rng(i).integers(0, 256, (720, 1280, 3), dtype=np.uint8) for i in range(20))
 
 
-def one_video(pool: Executor | None = None) -> tuple[int, int, int]:
+def one_video(pool: Any = None) -> tuple[int, int, int]:
     from systemone.runtime.d3.video import qwen_video
 
-    return qwen_video(frames(), 16, 2, 2, (0.5,) * 3, (0.5,) * 3, pool)[1]
+    return qwen_video(frames(), 16, 2, 2, (0.5,) * 3, (0.5,) * 3, pool)[1]  # pool: PixelWorkers or None
 
 
 def in_process(_: int) -> tuple[int, int, int]:
@@ -51,22 +53,26 @@ def faults() -> int:
 def main() -> None:
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from systemone.runtime.blas_threads import one_blas_thread
+    from systemone.runtime.pixel_workers import PixelWorkers, default_processes
 
     allocator = sys.argv[1] if len(sys.argv) > 1 else "server"
     setup(allocator)
     print(f"{os.cpu_count()} CPUs, allocator {allocator}")
     one_video()
-    for frame_threads in (2, 8):
-        with ThreadPoolExecutor(frame_threads, initializer=one_blas_thread) as pool:
-            for at_once in (1, 4, 16):
-                with ThreadPoolExecutor(at_once, initializer=one_blas_thread) as outer:
-                    list(outer.map(lambda _: one_video(pool), range(at_once)))
-                    start, cpu, faulted = time.perf_counter(), time.process_time(), faults()
-                    list(outer.map(lambda _: one_video(pool), range(3 * at_once)))
-                    wall = time.perf_counter() - start
-                print(f"threads: {frame_threads} frame threads, {at_once:2d} at once: {3 * at_once / wall:5.1f} "
-                      f"videos/s, cpu/wall {(time.process_time() - cpu) / wall:5.2f}, faults a video "
-                      f"{(faults() - faulted) / (3 * at_once):.0f}", flush=True)
+    setups = [(f"threads: {n} frame threads", PixelWorkers(0, threads=n)) for n in (2, 8)]
+    setups.append((f"pixel workers: {default_processes()} processes", PixelWorkers(default_processes())))
+    for name, pool in setups:
+        pool.start()
+        for at_once in (1, 4, 16):
+            with ThreadPoolExecutor(at_once, initializer=one_blas_thread) as outer:
+                list(outer.map(lambda _: one_video(pool), range(at_once)))
+                start, cpu, faulted = time.perf_counter(), time.process_time(), faults()
+                list(outer.map(lambda _: one_video(pool), range(3 * at_once)))
+                wall = time.perf_counter() - start
+            print(f"{name}, {at_once:2d} at once: {3 * at_once / wall:5.1f} "
+                  f"videos/s, cpu/wall {(time.process_time() - cpu) / wall:5.2f}, faults a video "
+                  f"{(faults() - faulted) / (3 * at_once):.0f}", flush=True)
+        pool.close()
     for at_once in (16,):
         with ProcessPoolExecutor(at_once, initializer=setup, initargs=(allocator,)) as processes:
             list(processes.map(in_process, range(at_once)))

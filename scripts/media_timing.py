@@ -8,11 +8,12 @@ is demuxed once to find the keyframes, then the sampled frames are decoded.
 
 Median (min) milliseconds of --repeats runs after one warm-up run; the machine's other load shows in the medians.
 The process runs as the server's does: glibc's allocator as `systemone serve` sets it (server/allocator.py; or
---default-allocator) and one BLAS thread in each media thread (runtime/blas_threads.py), the main thread included.
+--default-allocator), one BLAS thread in each media thread (runtime/blas_threads.py), the main thread included,
+and the pixel rows (resize, normalize) made in --media-processes worker processes (0: in threads here).
 --throughput N... then loads the video N at a time in as many threads (the media pool's way) and reports loads a
 second: how media scales over the machine's cores.
 
-    python scripts/media_timing.py ARTIFACT [--device cpu] [--repeats 5] [--mp4] [--frame-threads N]
+    python scripts/media_timing.py ARTIFACT [--device cpu] [--repeats 5] [--mp4] [--media-processes N]
         [--default-allocator] [--throughput 1 4 8]
 """
 
@@ -34,7 +35,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 T = TypeVar("T")
-STAGES = ("body", "fetch", "demux", "frame decode", "resize", "pixel rows", "load", "prompts",
+STAGES = ("body", "fetch", "demux", "frame decode", "pixel rows", "load", "prompts",
           "vision graph", "text graph")
 
 
@@ -78,7 +79,7 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
     """One request through every stage; its shape (for the header)."""
     from systemone.runtime.d3 import video as d3_video
     from systemone.runtime.deadline import Deadline
-    from systemone.runtime.image_transform import patch_rows, put_normalized, resize_bicubic, smart_resize
+    from systemone.runtime.image_transform import qwen_image
     from systemone.runtime.media_allowance import MediaAllowance
     from systemone.runtime.media_decode import decode_image
     from systemone.runtime.media_encoder import LoadedMedia
@@ -89,36 +90,31 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
     request, questions = watch.time("body", lambda: service.validate(parse_json(raw)))
     (key, where), = encoder.jobs(request)
     kind, url = key
-    factor, temporal = encoder.patch * encoder.merge, encoder.temporal
+    temporal = encoder.temporal
+    pixels = service.media_pool.pixels
     if kind == "image":
         data = watch.time("fetch", lambda: fetch(url, where, kind, encoder.policy))
-        frames = watch.time("frame decode", lambda: decode_image(data, where)[None])
-        height, width = smart_resize(*frames[0].shape[:2], factor, *_image_pixels())
-    elif url[:16].lower().startswith("data:video/jpeg"):
-        parts = watch.time("fetch", lambda: [base64.b64decode(p, validate=True) for p in url.split(",")[1:]])
-        frames = watch.time("frame decode", lambda: [decode_image(p, where) for p in parts])
-        height, width = d3_video.video_size(len(frames), *frames[0].shape[:2], factor, temporal)
+        frames = watch.time("frame decode", lambda: [decode_image(data, where)])
+        _, grid = watch.time("pixel rows", lambda: qwen_image(frames[0], encoder.patch, encoder.merge, temporal,
+                                                               encoder.mean, encoder.std, *_image_pixels(), pixels))
     else:
-        data = watch.time("fetch", lambda: fetch(url, where, kind, encoder.policy))
-        watch.time("demux", lambda: demux_once(data))
-        frames = watch.time("frame decode", lambda: d3_video.decode_video(data, where).frames)
-        height, width = d3_video.video_size(len(frames), *frames[0].shape[:2], factor, temporal)
-    # A video's frames are resized, then normalized into their pixel rows, in the encoder's frame threads, as
-    # load_one does both (there one frame after the other in each thread; here one stage after the other).
-    pool_map = (encoder.frame_pool.map if kind == "video" else map)
-    resized = watch.time("resize", lambda: list(pool_map(lambda f: resize_bicubic(f, height, width), frames)))
-    # An image is one frame repeated to a temporal group; a video's last frame pads it to whole groups.
-    places = [range(temporal)] if kind == "image" else d3_video.frame_places(len(resized), temporal)
-    rows = patch_rows(places[-1].stop, height, width, 3, encoder.patch, temporal)
-    watch.time("pixel rows", lambda: list(pool_map(
-        lambda job: put_normalized(rows, job[1], job[0], encoder.patch, encoder.merge, temporal, encoder.mean,
-                                   encoder.std), zip(resized, places))))
-    item = watch.time("load", lambda: encoder.load_one(key, where, Deadline(), MediaAllowance(service.media_pool.budget)))
+        if url[:16].lower().startswith("data:video/jpeg"):
+            parts = watch.time("fetch", lambda: [base64.b64decode(p, validate=True) for p in url.split(",")[1:]])
+            frames = watch.time("frame decode", lambda: [decode_image(p, where) for p in parts])
+        else:
+            data = watch.time("fetch", lambda: fetch(url, where, kind, encoder.policy))
+            watch.time("demux", lambda: demux_once(data))
+            frames = watch.time("frame decode", lambda: d3_video.decode_video(data, where).frames)
+        _, grid = watch.time("pixel rows", lambda: d3_video.qwen_video(frames, encoder.patch, encoder.merge, temporal,
+                                                                       encoder.mean, encoder.std, pixels))
+    item = watch.time("load", lambda: encoder.load_one(key, where, Deadline(),
+                                                       MediaAllowance(service.media_pool.budget), pixels))
     prepared = watch.time("prompts", lambda: engine.prepare(request, questions, LoadedMedia([key], {key: item})))
     encoded = watch.time("vision graph", lambda: engine.encode_media(prepared))
     watch.time("text graph", lambda: engine.run_rows(engine.rows(prepared, encoded)))
     return {"questions": len(questions), "prompt tokens": sum(len(p.token_ids) for p in prepared.prompts),
-            "source": "x".join(map(str, (len(frames), *frames[0].shape[:2]))), "resized to": f"{height}x{width}",
+            "source": "x".join(map(str, (len(frames), *frames[0].shape[:2]))),
+            "resized to": f"{grid[1] * encoder.patch}x{grid[2] * encoder.patch}",
             "grid": "x".join(map(str, item.grid))}
 
 
@@ -149,7 +145,7 @@ def main() -> None:
     from systemone.loadgen import RequestMix
     from systemone.runtime.artifact import Artifact
     from systemone.runtime.blas_threads import one_blas_thread
-    from systemone.runtime.d3.media import FRAME_THREADS
+    from systemone.runtime.pixel_workers import default_processes
     from systemone.server.allocator import release_freed_memory
     from systemone.runtime.engine import EngineOptions
     from systemone.runtime.service import DecisionService
@@ -159,8 +155,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mp4", action="store_true", help="also the video as an MPEG-4 file")
-    parser.add_argument("--frame-threads", type=int, default=None,
-                        help="threads that resize a video's frames (default: the encoder's own pool)")
+    parser.add_argument("--media-processes", type=int, default=None,
+                        help="processes that make pixel rows, as serve's flag (default: all cores but two, at most 16; none below 6 cores)")
     parser.add_argument("--default-allocator", action="store_true",
                         help="glibc's default allocator, not the server's settings")
     parser.add_argument("--throughput", type=int, nargs="*", default=[],
@@ -170,11 +166,11 @@ def main() -> None:
     allocator = "glibc defaults" if args.default_allocator else (
         "the server's" if release_freed_memory() else "not glibc: defaults")
     one_blas_thread()  # the stages below run in this thread, as the media pool runs them in its own
-    service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
+    processes = default_processes() if args.media_processes is None else args.media_processes
+    service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device),
+                              media_processes=processes)
     service.warm_up()  # this thread times the graphs: their CUDA graphs are captured here
-    if args.frame_threads:
-        service.engine.media.frame_pool = ThreadPoolExecutor(args.frame_threads, initializer=one_blas_thread)
-    frame_threads = args.frame_threads or FRAME_THREADS
+    service.media_pool.start()
     if service.artifact.manifest.family != "d3":
         raise SystemExit("the seeds' video requests need a d3 artifact")
     mix = RequestMix("d3")
@@ -183,7 +179,7 @@ def main() -> None:
         frames = [base64.b64decode(p) for p in bodies["video"]["videos"][0].split(",")[1:]]
         bodies["video mp4"] = mp4_body(bodies["video"], frames)
     print(f"{args.artifact} on {service.provider}, {os.cpu_count()} CPUs, "
-          f"{frame_threads} frame threads; numpy {np.__version__}; allocator {allocator}; "
+          f"media: {service.media_pool.describe()}; numpy {np.__version__}; allocator {allocator}; "
           f"median (min) ms of {args.repeats} runs")
     watches = {}
     for name, body in bodies.items():
@@ -214,7 +210,7 @@ def load_rate(service: Any, raw: bytes, at_once: int, rounds: int = 3) -> float:
     (key, where), = encoder.jobs(service.validate(parse_json(raw))[0])
 
     def load(_: int) -> None:
-        encoder.load_one(key, where, Deadline(), MediaAllowance(service.media_pool.budget))
+        encoder.load_one(key, where, Deadline(), MediaAllowance(service.media_pool.budget), service.media_pool.pixels)
 
     with ThreadPoolExecutor(at_once, initializer=one_blas_thread) as pool:
         list(pool.map(load, range(at_once)))

@@ -87,7 +87,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
         # The engine warms up on the scheduler's engine thread before the first request (d3 on CUDA: every bucket's
         # CUDA graph captured there, where it is replayed).
         started_at = time.monotonic()
-        await asyncio.to_thread(scheduler.start)
+        await asyncio.gather(asyncio.to_thread(scheduler.start), asyncio.to_thread(service.media_pool.start))
         if service.captures:
             log.info("cuda graphs %s in %.1f s on the engine thread", service.cuda_graphs,
                         time.monotonic() - started_at)
@@ -138,7 +138,8 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             return unauthorized(exc)
         pool = service.media_pool
         return PlainTextResponse(metrics.render(admission.running, admission.queued, pool.running, scheduler.work(),
-                                                pool.load_s), media_type="text/plain; version=0.0.4")
+                                                pool.load_s, pool.pixels.fallbacks),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

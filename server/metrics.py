@@ -36,8 +36,10 @@ class Metrics:
             self.aborted_uploads += 1
 
     def render(self, running: int, queued: int, media_running: int = 0,
-               lanes: Mapping[str, tuple[float, int]] | None = None, media_load_s: float = 0.0) -> str:
-        """`lanes`: the scheduler's work, seconds and jobs by lane; `media_load_s`: the media pool's seconds."""
+               lanes: Mapping[str, tuple[float, int]] | None = None, media_load_s: float = 0.0,
+               media_fallbacks: int = 0) -> str:
+        """`lanes`: the scheduler's work, seconds and jobs by lane; `media_load_s`: the media pool's seconds;
+        `media_fallbacks`: pixel jobs run in threads because shared memory was full or a worker process died."""
         with self._lock:
             lines = ["# HELP systemone_requests_total POST /v1/systemone requests by HTTP status.",
                      "# TYPE systemone_requests_total counter"]
@@ -65,6 +67,10 @@ class Metrics:
                       "# HELP systemone_media_load_seconds_total Seconds media threads spent loading, all together.",
                       "# TYPE systemone_media_load_seconds_total counter",
                       f"systemone_media_load_seconds_total {media_load_s}",
+                      "# HELP systemone_media_fallback_jobs_total Media pixel jobs run in the server's threads "
+                      "because shared memory was full or a media worker process died.",
+                      "# TYPE systemone_media_fallback_jobs_total counter",
+                      f"systemone_media_fallback_jobs_total {media_fallbacks}",
                       "# HELP systemone_engine_busy_seconds_total Seconds the scheduler's lanes spent running graphs "
                       "(text: the engine thread; media: the vision lane).",
                       "# TYPE systemone_engine_busy_seconds_total counter"]

@@ -38,6 +38,7 @@ def _service(args: argparse.Namespace):
     from .runtime.media_allowance import MediaBudget
     from .runtime.media_fetch import FetchPolicy
     from .runtime.engine import EngineOptions
+    from .runtime.pixel_workers import default_processes
     from .runtime.service import DEFAULT_ALIASES, DecisionService, MediaLimits
 
     policy = FetchPolicy(
@@ -52,6 +53,8 @@ def _service(args: argparse.Namespace):
                            media_limits=MediaLimits(args.limit_images, args.limit_videos),
                            aliases=() if args.no_jev_latest_alias else DEFAULT_ALIASES,
                            media_workers=args.media_workers,
+                           media_processes=(default_processes() if args.media_processes is None
+                                            else args.media_processes),
                            media_budget=MediaBudget(args.max_request_pixels, args.max_request_media_bytes,
                                                     args.max_video_frame_pixels, args.max_jpeg_video_frames,
                                                     args.max_video_decode_pixels))
@@ -128,11 +131,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
           + ("buffers of 1 MiB and more unmapped when freed, up to 16 MiB kept free atop each of 2 malloc arenas"
              if released
              else "the C library's defaults (not glibc)"), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.request_timeout) + 5,
-                http=guarded_protocol(args.header_timeout, max_connections, args.max_connections_per_client),
-                limit_concurrency=max_connections,
-                timeout_keep_alive=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=int(args.request_timeout) + 5,
+                    http=guarded_protocol(args.header_timeout, max_connections, args.max_connections_per_client),
+                    limit_concurrency=max_connections,
+                    timeout_keep_alive=5)
+    finally:
+        service.close()
     return 0
 
 
@@ -151,6 +157,7 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
                        ("artifact", f"{args.artifact} (family {manifest.family}, source {manifest.source})"),
                        ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),
                        ("cuda graphs", service.cuda_graphs),
+                       ("media", service.media_pool.describe()),
                        ("max model len", str(service.max_model_len)),
                        ("address", f"http://{args.host}:{args.port}/v1/systemone")):
         print(f"systemone serve: {key:<13} {value}", flush=True)
@@ -260,7 +267,10 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
                        help="seconds a whole image fetch may take (connect, headers, body; 422 after)")
     media.add_argument("--video-fetch-timeout", type=float, default=30.0, help="the same for a video")
     media.add_argument("--media-workers", type=int, default=8,
-                       help="threads that fetch, decode and preprocess media, shared by all requests")
+                       help="threads that fetch and decode media, shared by all requests")
+    media.add_argument("--media-processes", type=int, default=None,
+                       help="processes that resize media into pixel rows, shared by all requests; 0: threads of "
+                            "the server's process (default: all cores but two, at most 16; none below 6 cores)")
     media.add_argument("--max-request-pixels", type=int, default=70_000_000,
                        help="decoded pixels of one request's images and sampled video frames, from their headers")
     media.add_argument("--max-request-media-bytes", type=int, default=256 << 20,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from scripts.build_d3_checkpoint import build_d3_checkpoint
 from systemone.export.pipeline import export_checkpoint
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
+from systemone.runtime.pixel_workers import PixelWorkers
 from systemone.runtime.service import DecisionService
 
 
@@ -35,9 +37,19 @@ def d3_causal_artifact(d3_causal_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def d3_service(d3_artifact) -> DecisionService:
-    return DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"),
-                           served_model_names=["vllm-sr/d3-tiny"])
+def d3_service(d3_artifact) -> Iterator[DecisionService]:
+    """As `systemone serve` runs it: pixel rows made in a worker process (--media-processes)."""
+    service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"),
+                              served_model_names=["vllm-sr/d3-tiny"], media_processes=1)
+    yield service
+    service.close()
+
+
+@pytest.fixture(scope="session")
+def pixel_processes() -> Iterator[PixelWorkers]:
+    workers = PixelWorkers(processes=2)
+    yield workers
+    workers.close()
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,6 @@ decoding, and pixel values equal, bit for bit, to transformers' Qwen3VLVideoProc
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
-
 import hashlib
 
 import numpy as np
@@ -18,6 +15,7 @@ from systemone.runtime.d3.video import decode_video, qwen_video, sample_indices,
 from systemone.runtime.deadline import Deadline
 from systemone.runtime.media_allowance import MediaAllowance, MediaBudget
 from systemone.runtime.media_errors import MediaTooLarge
+from systemone.runtime.pixel_workers import PixelWorkers
 from systemone.server.errors import http_status
 from tests.media_helpers import write_video
 
@@ -49,12 +47,12 @@ def test_opencv_decoding_reads_the_spec_frames(tmp_path):
     assert len(video.frames) == 20 and {f.shape for f in video.frames} == {(720, 1280, 3)}
 
 
-@pytest.mark.parametrize("threads", [0, 3])
+@pytest.mark.parametrize("workers", ["none", "threads", "processes"])
 @pytest.mark.parametrize("name", list(VIDEOS))
-def test_pixel_values_equal_the_video_processor(name, threads):
-    """Bit for bit, whether the frames are resized one after another or in a pool's threads."""
-    with ThreadPoolExecutor(threads) if threads else nullcontext() as pool:
-        pixels, grid = qwen_video(fixture_frames(name), 16, 2, 2, MEAN, STD, pool)
+def test_pixel_values_equal_the_video_processor(name, workers, pixel_processes):
+    """Bit for bit, whether the frames are resized one after another, in threads, or in worker processes."""
+    pool = {"none": None, "threads": PixelWorkers(0, threads=3), "processes": pixel_processes}[workers]
+    pixels, grid = qwen_video(fixture_frames(name), 16, 2, 2, MEAN, STD, pool)
     assert list(grid) == REFERENCE[f"{name}/grid_thw"].tolist()
     assert np.abs(pixels[:64] - REFERENCE[f"{name}/head"]).max() == 0.0
     assert hashlib.sha256(pixels.astype(np.float32).tobytes()).digest() == REFERENCE[f"{name}/sha256"].tobytes()

@@ -19,6 +19,7 @@ from ..media_allowance import MediaAllowance
 from ..media_decode import decode_image
 from ..media_encoder import MediaEncoder
 from ..media_fetch import FetchPolicy, fetch
+from ..pixel_workers import PixelWorkers
 from ..session import GraphSession
 from .cells import unshuffle_order
 from .image_processor import Lfm2Image, Lfm2ImageConfig, cap_pixels, lfm2_image
@@ -47,7 +48,8 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
     def jobs(self, request: DecisionRequest) -> list[tuple[Hashable, str]]:
         return [(url, f"images[{i}]") for i, url in enumerate(request.images or ())]
 
-    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance) -> Lfm2Image:
+    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance,
+                 workers: PixelWorkers) -> Lfm2Image:
         data = fetch(str(key), where, "image", self.policy, deadline, allowance)
         rgb = decode_image(data, where, allowance=allowance)
         capped = np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)

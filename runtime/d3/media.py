@@ -3,30 +3,24 @@ vision graph once each, whatever the number of questions (decision 6; spec 4.8-4
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ...models.request import DecisionRequest
-from ..blas_threads import one_blas_thread
 from ..deadline import Deadline
 from ..image_transform import qwen_image
 from ..media_allowance import MediaAllowance
 from ..media_decode import decode_image
 from ..media_encoder import MediaEncoder
 from ..media_fetch import FetchPolicy, MediaError, fetch
+from ..pixel_workers import PixelWorkers
 from ..session import GraphSession
 from .placeholders import MediaLayout
 from .video import decode_video, qwen_video, timestamps
 from .vision_inputs import vision_inputs
-
-# Threads that resize a video's frames, shared by every video the encoder loads (so media workers x this is the
-# bound, not media workers x frames).
-FRAME_THREADS = min(8, os.cpu_count() or 1)
 
 # vLLM's override of the checkpoint's image size for d3 (spec 4.9): 64 to 1,600 tokens.
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 65_536, 1_638_400
@@ -55,37 +49,38 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
         self.side = int(vision["position_grid_side"])
         self.mean = tuple(vision["image_mean"])
         self.std = tuple(vision["image_std"])
-        self.frame_pool = ThreadPoolExecutor(FRAME_THREADS, thread_name_prefix="systemone-frames",
-                                             initializer=one_blas_thread)
 
     def jobs(self, request: DecisionRequest) -> list[tuple[Hashable, str]]:
         jobs: list[tuple[Hashable, str]] = [(("image", url), f"images[{i}]")
                                             for i, url in enumerate(request.images or ())]
         return jobs + [(("video", url), f"videos[{i}]") for i, url in enumerate(request.videos or ())]
 
-    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance) -> Preprocessed:
+    def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance,
+                 workers: PixelWorkers) -> Preprocessed:
         kind, url = key  # type: ignore[misc]
         if kind == "image":
-            return self._image(url, where, deadline, allowance)
-        return self._video(url, where, deadline, allowance)
+            return self._image(url, where, deadline, allowance, workers)
+        return self._video(url, where, deadline, allowance, workers)
 
-    def _image(self, url: str, where: str, deadline: Deadline, allowance: MediaAllowance) -> Preprocessed:
+    def _image(self, url: str, where: str, deadline: Deadline, allowance: MediaAllowance,
+               workers: PixelWorkers) -> Preprocessed:
         data = fetch(url, where, "image", self.policy, deadline, allowance)
         rgb = decode_image(data, where, allowance=allowance)
         try:
             pixels, grid = qwen_image(rgb, self.patch, self.merge, self.temporal, self.mean, self.std,
-                                      IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)
+                                      IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS, workers, deadline)
         except ValueError as exc:
             raise MediaError(where, f"Failed to apply Qwen2VLImageProcessor: {exc}") from None
         return Preprocessed("image", pixels, grid, ())
 
-    def _video(self, url: str, where: str, deadline: Deadline, allowance: MediaAllowance) -> Preprocessed:
+    def _video(self, url: str, where: str, deadline: Deadline, allowance: MediaAllowance,
+               workers: PixelWorkers) -> Preprocessed:
         data = (b"" if url[:16].lower().startswith("data:video/jpeg")
                 else fetch(url, where, "video", self.policy, deadline, allowance))
-        video = decode_video(data, where, url, allowance, deadline, self.frame_pool)
+        video = decode_video(data, where, url, allowance, deadline, workers.threads)
         try:
             pixels, grid = qwen_video(video.frames, self.patch, self.merge, self.temporal, self.mean, self.std,
-                                      self.frame_pool)
+                                      workers, deadline)
         except ValueError as exc:
             raise MediaError(where, f"Failed to apply Qwen3VLVideoProcessor: {exc}") from None
         return Preprocessed("video", pixels, grid, timestamps(video.indices, video.fps, self.temporal))

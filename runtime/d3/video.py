@@ -12,17 +12,19 @@ import binascii
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from ..deadline import Deadline
-from ..image_transform import patch_rows, put_normalized, resize_bicubic
+from ..image_transform import put_normalized, resize_bicubic, rows_shape
 from ..media_decode import MAX_IMAGE_PIXELS, decode_image
 from ..media_allowance import MediaAllowance, MediaBudget
 from ..media_fetch import MediaError, MediaTooLarge
+from ..pixel_workers import PixelWorkers
 from .frame_plan import Step, plan_reads, sequential_reads
 
 SAMPLE_FPS = 2
@@ -233,20 +235,37 @@ def frame_places(frames: int, temporal: int) -> list[range]:
     return [range(i, i + 1) for i in range(frames - 1)] + [range(frames - 1, frames + -frames % temporal)]
 
 
+def fill_video_rows(frames: Sequence[np.ndarray], rows: np.ndarray, part: tuple[int, int],
+                    stopped: Callable[[], bool], *, height: int, width: int, patch: int, merge: int, temporal: int,
+                    mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    """Frames [first, last) of `part` resized, normalized and written into their places in `rows` (a `Fill` of
+    runtime/pixel_workers.py); stops between frames once `stopped()`."""
+    places = frame_places(len(frames), temporal)
+    for index in range(*part):
+        if stopped():
+            return
+        put_normalized(rows, places[index], resize_bicubic(frames[index], height, width), patch, merge, temporal,
+                       mean, std)
+
+
 def qwen_video(frames: Sequence[np.ndarray], patch: int, merge: int, temporal: int, mean: tuple[float, ...],
-               std: tuple[float, ...], pool: Executor | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
+               std: tuple[float, ...], workers: PixelWorkers | None = None, deadline: Deadline | None = None
+               ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Sampled frames -> (pixel_values rows, grid (t, h, w)): every frame resized to one size, normalized and
-    written into its place in the rows; an odd count padded with the last frame (spec 4.10). With `pool`, frames
-    go through that in its threads (numpy and OpenCV release the GIL in their loops), each into its own rows, so
-    no stack of frames is made: the seeds' 20 720p frames cost 44 MB less copying and mapping."""
+    written into its place in the rows; an odd count padded with the last frame (spec 4.10). With `workers`, the
+    frames go through them a temporal group at a time (in worker processes where it has them), each into its own
+    rows, so no stack of frames is made."""
     height, width = video_size(len(frames), *frames[0].shape[:2], patch * merge, temporal)
-    rows = patch_rows(len(frames), height, width, frames[0].shape[2], patch, temporal)
-
-    def place(frame: np.ndarray, positions: range) -> None:
-        put_normalized(rows, positions, resize_bicubic(frame, height, width), patch, merge, temporal, mean, std)
-
-    list((pool.map if pool is not None else map)(place, frames, frame_places(len(frames), temporal)))
-    return rows, (-(-len(frames) // temporal), height // patch, width // patch)
+    shape = rows_shape(len(frames), height, width, frames[0].shape[2], patch, temporal)
+    fill = partial(fill_video_rows, height=height, width=width, patch=patch, merge=merge, temporal=temporal,
+                   mean=mean, std=std)
+    grid = (-(-len(frames) // temporal), height // patch, width // patch)
+    if workers is None:
+        rows = np.empty(shape, dtype=np.float32)
+        fill(frames, rows, (0, len(frames)), lambda: False)
+        return rows, grid
+    parts = [(first, min(first + temporal, len(frames))) for first in range(0, len(frames), temporal)]
+    return workers.fill(fill, frames, shape, parts, deadline or Deadline()), grid
 
 
 def timestamps(indices: tuple[int, ...], fps: float, temporal: int = 2) -> tuple[float, ...]:
