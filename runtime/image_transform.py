@@ -149,36 +149,40 @@ def _horizontal(planes: np.ndarray, bands: _Bands) -> np.ndarray:
     return _rounded(out, bands, bands.bias).reshape(channels, rows, -1)
 
 
-def _resize(image: np.ndarray, height: int, width: int, filt: _Filter) -> np.ndarray:
+def _resize(image: np.ndarray, height: int, width: int, filt: _Filter, rows: range | None = None) -> np.ndarray:
     """Horizontal pass, then vertical, each rounded to uint8 as torch rounds them; an unchanged axis is not
     resampled. The passes are BLAS products (numpy releases the GIL in them, so frames resize in parallel
     threads), exact by `_Bands`. The image goes in strips, one per block of output rows, so that every buffer
     stays small enough to come from the heap: a whole frame's would be mapped and faulted in afresh (the server
-    maps buffers of 1 MiB and more), and concurrent faults queue on the process's memory map."""
+    maps buffers of 1 MiB and more), and concurrent faults queue on the process's memory map. With `rows` (whole
+    blocks of BLOCK output rows), only those output rows are made."""
     in_height, in_width = image.shape[:2]
+    rows = rows or range(height)
     if (in_height, in_width) == (height, width):
-        return image
+        return image[rows.start:rows.stop]
     source = image.reshape(in_height, in_width, -1)
-    out = np.empty((height, width, source.shape[2]), dtype=np.uint8)
+    out = np.empty((len(rows), width, source.shape[2]), dtype=np.uint8)
     across = _bands(in_width, width, filt) if in_width != width else None
     down = _bands(in_height, height, filt) if in_height != height else None
     strips = down.blocks if down is not None else [(r, min(r + BLOCK, height), r, min(r + BLOCK, height), None)
                                                    for r in range(0, height, BLOCK)]
     for start, stop, lo, hi, block in strips:
+        if not rows.start <= start < rows.stop:
+            continue
         planes = _planes(source[lo:hi])
         strip = _horizontal(planes, across) if across is not None else planes
         if down is not None:
             centred = (np.subtract(strip, 128, out=strip) if strip.dtype == down.dtype
                        else _centered(strip, down.dtype))
             strip = _rounded(np.matmul(block, centred), down, down.bias[start:stop, None])
-        out[start:stop] = strip.transpose(1, 2, 0)
-    return out.reshape(height, width, *image.shape[2:])
+        out[start - rows.start:stop - rows.start] = strip.transpose(1, 2, 0)
+    return out.reshape(len(rows), width, *image.shape[2:])
 
 
-def resize_bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:
+def resize_bicubic(image: np.ndarray, height: int, width: int, rows: range | None = None) -> np.ndarray:
     """Antialiased bicubic resize of an [H, W, C] uint8 image, horizontal pass first (torchvision uint8 CPU,
-    spec 4.9)."""
-    return _resize(image, height, width, BICUBIC)
+    spec 4.9); only output `rows` (whole blocks of 32) where given."""
+    return _resize(image, height, width, BICUBIC, rows)
 
 
 def resize_bilinear(image: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -248,25 +252,32 @@ def put_frame(rows: np.ndarray, position: int, frame: np.ndarray, patch: int, me
 
 
 def put_normalized(rows: np.ndarray, positions: range, image: np.ndarray, patch: int, merge: int, temporal: int,
-                   mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+                   mean: tuple[float, ...], std: tuple[float, ...], top: int = 0, height: int | None = None) -> None:
     """Normalize a uint8 [H, W, C] frame into `rows` as each of frames `positions`, one band of merge x patch pixel
     rows at a time: a whole normalized frame (2.2 MB for a video frame of 320 x 576) would be mapped and faulted in
-    afresh each time (server/allocator.py), a band comes from the heap."""
+    afresh each time (server/allocator.py), a band comes from the heap. `image` may be the rows of a frame
+    `height` high from row `top` on (a multiple of merge x patch)."""
     side = merge * patch
-    for top in range(0, image.shape[0], side):
-        band = normalize(image[top:top + side], mean, std)
+    for band_top in range(0, image.shape[0], side):
+        band = normalize(image[band_top:band_top + side], mean, std)
         for position in positions:
-            put_frame(rows, position, band, patch, merge, temporal, top, image.shape[0])
+            put_frame(rows, position, band, patch, merge, temporal, top + band_top, height or image.shape[0])
 
 
-def fill_image_rows(images: Sequence[np.ndarray], rows: np.ndarray, part: None, stopped: Callable[[], bool], *,
-                    height: int, width: int, patch: int, merge: int, temporal: int, mean: tuple[float, ...],
-                    std: tuple[float, ...]) -> None:
-    """The one image resized, normalized and written into `rows` as every frame of its temporal group (a `Fill` of
-    runtime/pixel_workers.py)."""
+# An image's part: this many units of output rows, a unit being whole blocks of the resize and of merge x patch
+# (32 rows for d3), so that a photo spreads over the worker processes (a 960-row image in 8 parts).
+IMAGE_PART_UNITS = 4
+
+
+def fill_image_rows(images: Sequence[np.ndarray], rows: np.ndarray, part: tuple[int, int],
+                    stopped: Callable[[], bool], *, height: int, width: int, patch: int, merge: int, temporal: int,
+                    mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    """Output rows [top, bottom) of the one image resized, normalized and written into `rows` as every frame of its
+    temporal group (a `Fill` of runtime/pixel_workers.py)."""
+    top, bottom = part
     if not stopped():
-        put_normalized(rows, range(temporal), resize_bicubic(images[0], height, width), patch, merge, temporal,
-                       mean, std)
+        band = resize_bicubic(images[0], height, width, range(top, bottom))
+        put_normalized(rows, range(temporal), band, patch, merge, temporal, mean, std, top, height)
 
 
 def qwen_image(rgb: np.ndarray, patch: int, merge: int, temporal: int, mean: tuple[float, ...],
@@ -281,6 +292,8 @@ def qwen_image(rgb: np.ndarray, patch: int, merge: int, temporal: int, mean: tup
     grid = (1, height // patch, width // patch)
     if workers is None:
         rows = np.empty(shape, dtype=np.float32)
-        fill([rgb], rows, None, lambda: False)
+        fill([rgb], rows, (0, height), lambda: False)
         return rows, grid
-    return workers.fill(fill, [rgb], shape, [None], deadline or Deadline()), grid
+    step = IMAGE_PART_UNITS * math.lcm(BLOCK, patch * merge)
+    parts = [(top, min(top + step, height)) for top in range(0, height, step)]
+    return workers.fill(fill, [rgb], shape, parts, deadline or Deadline()), grid

@@ -1,5 +1,5 @@
-"""Does media preprocessing scale over this machine's cores? The seeds' video (20 frames of 1280x720) through
-`qwen_video` (resize, normalize, pixel rows), K videos at once: in threads sharing F frame threads (the server with
+"""Does media preprocessing scale over this machine's cores? The seeds' photo (1280x960) through `qwen_image` and
+their video (20 frames of 1280x720) through `qwen_video` (resize, normalize, pixel rows), K at once: in threads sharing F frame threads (the server with
 --media-processes 0), through P pixel worker processes as the server runs them by default (runtime/pixel_workers.py),
 and in K bare processes of one thread each. Prints videos a second, CPU seconds per wall second (this process)
 and page faults a video (scripts/results/gpu_media_scaling_h200.txt: on the H200's host threads stopped at 5-7
@@ -42,6 +42,19 @@ def one_video(pool: Any = None) -> tuple[int, int, int]:
     return qwen_video(frames(), 16, 2, 2, (0.5,) * 3, (0.5,) * 3, pool)[1]  # pool: PixelWorkers or None
 
 
+@cache
+def photo() -> np.ndarray:
+    return np.random.default_rng(99).integers(0, 256, (960, 1280, 3), dtype=np.uint8)
+
+
+def one_image(pool: Any = None) -> tuple[int, int, int]:
+    """The seeds' photo (1280x960: no resize, normalize and pixel rows only) as the d3 encoder makes its rows."""
+    from systemone.runtime.d3.media import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS
+    from systemone.runtime.image_transform import qwen_image
+
+    return qwen_image(photo(), 16, 2, 2, (0.5,) * 3, (0.5,) * 3, IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS, pool)[1]
+
+
 def in_process(_: int) -> tuple[int, int, int]:
     return one_video()
 
@@ -58,11 +71,18 @@ def main() -> None:
     allocator = sys.argv[1] if len(sys.argv) > 1 else "server"
     setup(allocator)
     print(f"{os.cpu_count()} CPUs, allocator {allocator}")
-    one_video()
+    one_video(), one_image()
     setups = [(f"threads: {n} frame threads", PixelWorkers(0, threads=n)) for n in (2, 8)]
     setups.append((f"pixel workers: {default_processes()} processes", PixelWorkers(default_processes())))
     for name, pool in setups:
         pool.start()
+        for at_once in (1, 4, 16):
+            with ThreadPoolExecutor(at_once, initializer=one_blas_thread) as outer:
+                list(outer.map(lambda _: one_image(pool), range(at_once)))
+                start = time.perf_counter()
+                list(outer.map(lambda _: one_image(pool), range(5 * at_once)))
+                wall = time.perf_counter() - start
+            print(f"{name}, {at_once:2d} at once: {5 * at_once / wall:5.1f} photos/s", flush=True)
         for at_once in (1, 4, 16):
             with ThreadPoolExecutor(at_once, initializer=one_blas_thread) as outer:
                 list(outer.map(lambda _: one_video(pool), range(at_once)))
