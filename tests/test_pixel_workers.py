@@ -45,7 +45,7 @@ def dying_part(inputs, out, part, stopped, parent):
 
 @pytest.fixture
 def one_process(tmp_path):
-    workers = PixelWorkers(processes=1, threads=2, directory=str(tmp_path))
+    workers = PixelWorkers(processes=1, threads=2, directory=str(tmp_path), lone_images_here=False)
     workers.start()
     yield workers
     workers.close()
@@ -63,7 +63,34 @@ def test_processes_threads_and_inline_give_the_same_image_rows(one_process):
     processes = qwen_image(image, 16, 2, 2, MEAN, STD, 65_536, 1_638_400, one_process)
     assert inline[1] == threads[1] == processes[1]
     assert np.array_equal(inline[0], threads[0]) and np.array_equal(inline[0], processes[0])
-    assert one_process.fallbacks == 0
+    assert one_process.fallbacks == 0 and one_process.in_processes == 1
+
+
+def test_an_image_alone_runs_here_and_one_among_others_in_the_processes(tmp_path):
+    """With no other job running the GIL costs nothing and threads here are quicker than shared memory."""
+    workers = PixelWorkers(processes=2, directory=str(tmp_path))
+    image = np.random.default_rng(1).integers(0, 256, (300, 500, 3), dtype=np.uint8)
+    slow = Deadline(60)
+
+    def busy() -> None:  # one part (of a two-input job: never run here), in one of the two processes until cancelled
+        with pytest.raises(TimedOut):
+            workers.fill(slow_part, [np.zeros(4), np.zeros(4)], (4,), [None], slow)
+
+    try:
+        qwen_image(image, 16, 2, 2, MEAN, STD, 65_536, 1_638_400, workers)
+        assert workers.in_processes == 0
+        other = threading.Thread(target=busy)
+        other.start()
+        while not os.listdir(tmp_path):  # the slow job's shared memory is made: it is running
+            time.sleep(0.01)
+        alone = qwen_image(image, 16, 2, 2, MEAN, STD, 65_536, 1_638_400)
+        among = qwen_image(image, 16, 2, 2, MEAN, STD, 65_536, 1_638_400, workers)
+        assert np.array_equal(alone[0], among[0])
+        assert workers.in_processes == 1
+        slow.cancel()
+        other.join()
+    finally:
+        workers.close()
 
 
 def test_every_part_is_written_and_no_shared_file_is_left(one_process, tmp_path):
@@ -103,7 +130,7 @@ def test_a_part_error_reaches_the_caller_as_itself(one_process):
 
 
 def test_no_shared_memory_means_threads_here_not_a_failure():
-    workers = PixelWorkers(processes=1, directory="/nonexistent/shared-memory")
+    workers = PixelWorkers(processes=1, directory="/nonexistent/shared-memory", lone_images_here=False)
     source = np.arange(40, dtype=np.float32).reshape(8, 5)
     try:
         assert np.array_equal(fill_add(workers, source), source + 1)
