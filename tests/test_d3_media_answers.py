@@ -103,8 +103,8 @@ def test_decoding_applies_exif_and_composites_transparency_on_white():
 
 
 def test_one_fetch_and_one_vision_pass_per_media(d3_artifact, tmp_path):
-    """8 questions over 2 images and 1 video: each is fetched once and encoded once (the video once per frame
-    group), whatever the number of questions."""
+    """8 questions over 2 images and 1 video: each is fetched once and encoded once (on the CPU the video once per
+    frame group), whatever the number of questions."""
     video = write_video(tmp_path / "v.mp4", frames=40, fps=20.0, width=320, height=240)  # 4 frames, 2 groups
     server = CountingServer({"a.png": IMAGES["vga-640x480.jpg"], "b.png": IMAGES["tiny-50x50.png"], "v.mp4": video})
     options = EngineOptions(device="cpu", fetch_policy=FetchPolicy(allow_private_hosts=True))

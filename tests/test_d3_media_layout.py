@@ -78,14 +78,17 @@ def test_placeholder_count_must_match_the_media(tokenizer):
         expand_media(tokenizer.encode(IMAGE), MEDIA[:2], tokenizer.encode, tokenizer.token_id)
 
 
-@pytest.mark.parametrize("h, w", [(2, 2), (4, 6), (16, 16), (2, 40), (60, 26), (100, 2)])
-def test_vision_inputs_equal_transformers_helpers(h, w):
+@pytest.mark.parametrize("t, h, w", [(1, 2, 2), (1, 4, 6), (1, 16, 16), (1, 2, 40), (1, 60, 26), (1, 100, 2),
+                                     (3, 4, 6), (10, 20, 36)])
+def test_vision_inputs_equal_transformers_helpers(t, h, w):
+    """One segment, or a video's t frame groups in one run (each its own positions)."""
     from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
-    grid = torch.tensor([[1, h, w]])
+    grid = torch.tensor([[t, h, w]])
     index, weight = get_vision_interpolation_indices_and_weights(grid, num_grid_per_side=48, mode="bilinear",
                                                                  align_corners=True, spatial_merge_size=2)
-    ours = vision_inputs(h, w, 48, 2)
+    ours = vision_inputs(h, w, 48, 2, t)
+    assert ours["segments"].shape == (t,)
     assert np.array_equal(ours["interp_index"], index.numpy())
     assert np.abs(ours["interp_weight"] - weight.numpy()).max() <= 1e-6
     assert np.array_equal(ours["rotary_pos"], get_vision_position_ids(grid, 2).numpy())
@@ -107,3 +110,71 @@ def test_artifact_vision_graph_matches_the_vision_tower(d3_artifact, d3_checkpoi
     got = GraphSession(d3_artifact / "vision.onnx", "cpu").run(feeds)[0]
     assert got.shape == (h * w // 4, 64)
     assert np.abs(got - config.reference_vision(pixels, h, w)).max() <= 1e-5
+
+
+class CountingSession:
+    """The artifact's vision graph, counting its runs; `old` hides the `segments` input, as a graph exported before
+    runs took several segments."""
+
+    def __init__(self, session, old: bool = False):
+        self.session, self.old, self.runs = session, old, 0
+        self.input_names = [n for n in session.input_names if not (old and n == "segments")]
+
+    def run(self, feeds, run_options=None):
+        self.runs += 1
+        if self.old:
+            assert "segments" not in feeds
+            feeds = {**feeds, "segments": np.zeros(1, dtype=np.int64)}
+        return self.session.run(feeds, run_options)
+
+
+@pytest.mark.parametrize("old, together", [(False, True), (False, False), (True, False)])
+def test_segments_of_a_grid_share_vision_runs_and_answer_as_alone(d3_service, old, together):
+    """Two 3-group videos and a photo of another grid, of different requests: as on a GPU, the videos' six segments
+    run once together; as on the CPU, or with a graph without `segments`, each alone. Every segment's rows are its
+    rows alone."""
+    from systemone.runtime.d3.media import Preprocessed
+
+    encoder = d3_service.engine.media
+    rng = np.random.default_rng(5)
+    items = [Preprocessed("video", rng.standard_normal((3 * 8 * 12, 1536)).astype(np.float32), (3, 8, 12), ()),
+             Preprocessed("image", rng.standard_normal((6 * 10, 1536)).astype(np.float32), (1, 6, 10), ()),
+             Preprocessed("video", rng.standard_normal((3 * 8 * 12, 1536)).astype(np.float32), (3, 8, 12), ())]
+    counting = CountingSession(encoder.session, old)
+    assert not encoder.segments_together  # the CPU's choice
+    clone = replace_session(encoder, counting)
+    clone.segments_together = together
+    shared = clone.rows_many(items, None)
+    assert counting.runs == (2 if together else 7)
+    side = encoder.side
+    for item, rows in zip(items, shared):
+        t, h, w = item.grid
+        alone = [encoder.session.run({"pixel_values": segment, **vision_inputs(h, w, side, 2)})[0]
+                 for segment in np.split(item.pixels, t)]
+        assert rows.shape == (t * h * w // 4, 64)
+        assert np.abs(rows - np.concatenate(alone)).max() <= 1e-5
+
+
+def replace_session(encoder, session):
+    import copy
+
+    clone = copy.copy(encoder)
+    clone.session = session
+    return clone
+
+
+def test_the_fused_forms_attention_node_keeps_segments_apart(d3_artifact):
+    """The CUDA form's vision graph (each block's attention one MultiHeadAttention node, the segments its batch):
+    five segments in one run give each segment's rows alone."""
+    import json
+
+    from systemone.runtime.session import GraphSession
+
+    manifest = json.loads((d3_artifact / "manifest.json").read_text())
+    (form,) = manifest["forms"]
+    session = GraphSession(d3_artifact / f"vision.{form}.onnx", "cpu")
+    h, w, side = 8, 12, manifest["vision"]["position_grid_side"]
+    pixels = np.random.default_rng(7).standard_normal((5 * h * w, 1536)).astype(np.float32)
+    together = session.run({"pixel_values": pixels, **vision_inputs(h, w, side, 2, 5)})[0]
+    alone = [session.run({"pixel_values": part, **vision_inputs(h, w, side, 2)})[0] for part in np.split(pixels, 5)]
+    assert np.abs(together - np.concatenate(alone)).max() <= 1e-3

@@ -33,11 +33,12 @@ TEXT_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "ba
              "position_ids": {1: "batch", 2: "sequence"}, "media_embeds": {0: "media"}, "media_index": {0: "media"}}
 
 
-VISION_INPUTS = ["pixel_values", "interp_index", "interp_weight", "rotary_pos"]
+VISION_INPUTS = ["pixel_values", "interp_index", "interp_weight", "rotary_pos", "segments"]
 VISION_OUTPUTS = ["media_embeds"]
-VISION_AXES = {name: {0: "patches"} for name in VISION_INPUTS}
-# Segment grids (h, w in patches) the vision graph is checked on at export: square, wide, tall, odd blocks.
-VISION_PARITY_GRIDS = ((2, 2), (4, 6), (16, 16), (2, 40), (30, 8))
+VISION_AXES = {**{name: {0: "patches"} for name in VISION_INPUTS[:-1]}, "segments": {0: "segments"}}
+# Segment grids (h, w in patches) and segments a run the vision graph is checked on at export: square, wide, tall,
+# odd blocks, one segment, and several of a grid in one run (a video's frame groups).
+VISION_PARITY_GRIDS = ((2, 2, 1), (4, 6, 1), (16, 16, 1), (2, 40, 1), (30, 8, 1), (4, 6, 3), (8, 12, 5))
 
 
 # The real d3 prompts the text gate checks, besides random token runs.
@@ -97,10 +98,11 @@ class D3ExportConfig(ExportConfig):
         return D3VisionGraph(self.model.visual, fused).eval()
 
     def vision_example_inputs(self) -> tuple[torch.Tensor, ...]:
-        h, w = 16, 20
-        grid = vision_inputs(h, w, self.model.visual.num_grid_per_side, self.vision_config.spatial_merge_size)
+        h, w, segments = 16, 20, 2  # two segments: an example of one would fix the count at 1
+        grid = vision_inputs(h, w, self.model.visual.num_grid_per_side, self.vision_config.spatial_merge_size,
+                             segments)
         width = self.vision_config.in_channels * self.vision_config.temporal_patch_size * self.vision_config.patch_size**2
-        return (torch.randn(h * w, width), *(torch.from_numpy(grid[name]) for name in VISION_INPUTS[1:]))
+        return (torch.randn(segments * h * w, width), *(torch.from_numpy(grid[name]) for name in VISION_INPUTS[1:]))
 
     @torch.no_grad()
     def reference_vision(self, pixel_values: np.ndarray, h: int, w: int) -> np.ndarray:
@@ -204,12 +206,14 @@ class D3ExportConfig(ExportConfig):
             config = self.vision_config
             width = config.in_channels * config.temporal_patch_size * config.patch_size**2
             rows = []
-            for h, w in VISION_PARITY_GRIDS:
-                pixels = rng.standard_normal((h * w, width)).astype(np.float32)
+            for h, w, segments in VISION_PARITY_GRIDS:
+                pixels = rng.standard_normal((segments * h * w, width)).astype(np.float32)
                 feeds = {"pixel_values": pixels, **vision_inputs(h, w, self.model.visual.num_grid_per_side,
-                                                                 config.spatial_merge_size)}
-                diff = float(np.abs(session.run(feeds)[0] - self.reference_vision(pixels, h, w)).max())
-                rows.append({"grid": [h, w], "max_abs_diff": diff})
+                                                                 config.spatial_merge_size, segments)}
+                reference = np.concatenate([self.reference_vision(part, h, w)
+                                            for part in np.split(pixels, segments)])
+                diff = float(np.abs(session.run(feeds)[0] - reference).max())
+                rows.append({"grid": [h, w], "segments": segments, "max_abs_diff": diff})
             return worst_vision_sample(rows, atol, "the torch vision tower")
 
         return [Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts", text),

@@ -25,7 +25,7 @@ import onnx
 import onnxscript
 import torch
 import torch.nn.functional as F
-from onnxscript import FLOAT, FLOAT16
+from onnxscript import FLOAT, FLOAT16, INT64
 from onnxscript import opset18 as op
 
 from ..short_conv import shifted_conv
@@ -131,28 +131,30 @@ def _gated_rms_norm(x: FLOAT, weight: FLOAT, gate: FLOAT, eps: float) -> FLOAT:
 
 # -- the vision tower's attention ---------------------------------------------------------------------------------
 @torch.library.custom_op("systemone::segment_attention", mutates_args=())
-def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: int,
-                      scale: float) -> torch.Tensor:
-    """query, key, value [n, H, D] fp32 (H = `heads`, an attribute of the node), one attention segment, no mask
-    -> [n, H * D]."""
-    q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [H, n, D]
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor,
+                      heads: int, scale: float) -> torch.Tensor:
+    """query, key, value [n, H, D] fp32 (H = `heads`, an attribute of the node): S = len(segments) attention
+    segments of n / S patches one after the other, each attending to itself, no mask -> [n, H * D]."""
+    count = segments.shape[0]
+    q, k, v = (x.reshape(count, -1, *x.shape[1:]).transpose(1, 2) for x in (query, key, value))  # [S, H, n/S, D]
     probs = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
-    return (probs @ v).transpose(0, 1).reshape(query.shape[0], -1).contiguous()
+    return (probs @ v).transpose(1, 2).reshape(query.shape[0], -1).contiguous()
 
 
 @segment_attention.register_fake
-def _(query, key, value, heads, scale):
+def _(query, key, value, segments, heads, scale):
     return query.new_empty((query.shape[0], query.shape[1] * query.shape[2]))
 
 
-def _segment_attention(query: FLOAT, key: FLOAT, value: FLOAT, heads: int, scale: float) -> FLOAT:
-    # [n, H, D] -> [1, n, H * D], the op's layout, then fp16: the node is all the fp16 there is.
-    flat, first = op.Constant(value_ints=[0, -1]), op.Constant(value_ints=[0])
-    q = op.Cast(op.Unsqueeze(op.Reshape(query, flat), first), to=FLOAT16.dtype)
-    k = op.Cast(op.Unsqueeze(op.Reshape(key, flat), first), to=FLOAT16.dtype)
-    v = op.Cast(op.Unsqueeze(op.Reshape(value, flat), first), to=FLOAT16.dtype)
+def _segment_attention(query: FLOAT, key: FLOAT, value: FLOAT, segments: INT64, heads: int, scale: float) -> FLOAT:
+    # [n, H, D] -> [n, H * D] -> [S, n / S, H * D], the op's layout with the segments as its batch, then fp16: the
+    # node is all the fp16 there is.
+    rows = op.Reshape(query, op.Constant(value_ints=[0, -1]))
+    batched = op.Concat(op.Shape(segments), op.Constant(value_ints=[-1]), op.Shape(rows, start=1), axis=0)
+    q, k, v = (op.Cast(op.Reshape(op.Reshape(x, op.Constant(value_ints=[0, -1])), batched), to=FLOAT16.dtype)
+               for x in (query, key, value))
     out = MULTI_HEAD_ATTENTION(q, k, v, num_heads=heads, scale=scale)
-    return op.Squeeze(op.Cast(out, to=FLOAT.dtype), first)
+    return op.Cast(op.Reshape(out, op.Shape(rows)), to=FLOAT.dtype)
 
 
 TRANSLATIONS = {torch.ops.systemone.causal_conv_silu.default: _causal_conv,

@@ -1,12 +1,15 @@
-"""The d3 vision graph: the Qwen3.5 vision tower (patch embedding, blocks, merger) for one attention segment.
+"""The d3 vision graph: the Qwen3.5 vision tower (patch embedding, blocks, merger) for attention segments of one
+size.
 
 transformers' `Qwen3_5VisionModel` derives, from `grid_thw` and with Python loops, the learned position
 embedding's bilinear taps, the 2-D rotary positions and the attention segments (one per image, one per video frame
-group). Here those are graph inputs computed by the runtime (`runtime/qwen_vision.py`), and the graph runs one
-segment at a time, so it holds no data-dependent control flow and the number of patches stays dynamic.
+group). Here those are graph inputs computed by the runtime (`runtime/d3/vision_inputs.py`). A run takes S segments
+of one grid, one after the other (a video's frame groups, or the same-size images of several requests): each
+attends only to its own patches, so the graph holds no data-dependent control flow and both counts stay dynamic.
 
-Inputs (n patches of one segment, in merge-block order): pixel_values [n, C*T*P*P] float32,
-interp_index [n, 4] int64, interp_weight [n, 4] float32, rotary_pos [n, 2] int64 (row, column).
+Inputs (n patches, S segments of n / S, each in merge-block order): pixel_values [n, C*T*P*P] float32,
+interp_index [n, 4] int64, interp_weight [n, 4] float32, rotary_pos [n, 2] int64 (row, column), segments [S]
+int64 (only its length is read).
 Output: media_embeds [n / merge^2, out_hidden] float32, one row per `<|image_pad|>` / `<|video_pad|>` token.
 """
 
@@ -38,7 +41,7 @@ class D3VisionGraph(nn.Module):
         self.register_buffer("patch_bias", proj.bias.detach().float().clone(), persistent=False)
         self.register_buffer("inv_freq", visual.rotary_pos_emb.inv_freq.float().clone(), persistent=False)
 
-    def forward(self, pixel_values, interp_index, interp_weight, rotary_pos):
+    def forward(self, pixel_values, interp_index, interp_weight, rotary_pos, segments):
         visual = self.visual
         hidden = pixel_values.float() @ self.patch_weight.t() + self.patch_bias
         pos = (visual.pos_embed(interp_index).float() * interp_weight[:, :, None]).sum(1)
@@ -48,21 +51,22 @@ class D3VisionGraph(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         for block in visual.blocks:
-            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, self.fused)
+            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, segments, self.fused)
             hidden = hidden + block.mlp(block.norm2(hidden))
         merger = visual.merger
         merged = merger.norm(hidden).reshape(-1, merger.hidden_size)
         return merger.linear_fc2(F.gelu(merger.linear_fc1(merged)))
 
     @staticmethod
-    def _attention(attn: nn.Module, hidden, cos, sin, fused: bool):
+    def _attention(attn: nn.Module, hidden, cos, sin, segments, fused: bool):
         n = hidden.shape[0]
         q, k, v = attn.qkv(hidden).reshape(n, 3, attn.num_heads, -1).unbind(1)  # [n, heads, d]
         q = q.float() * cos + _rotate_half(q.float()) * sin
         k = k.float() * cos + _rotate_half(k.float()) * sin
         if fused:
-            return attn.proj(segment_attention(q, k, v.float(), attn.num_heads, attn.scaling))
-        q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [heads, n, d]
+            return attn.proj(segment_attention(q, k, v.float(), segments, attn.num_heads, attn.scaling))
+        count = segments.shape[0]
+        q, k, v = (x.reshape(count, -1, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [S, heads, n / S, d]
         probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scaling, dim=-1, dtype=torch.float32)
-        out = (probs.to(v.dtype) @ v).transpose(0, 1).reshape(n, -1)
+        out = (probs.to(v.dtype) @ v).transpose(1, 2).reshape(n, -1)
         return attn.proj(out)

@@ -15,12 +15,18 @@ from ..image_transform import qwen_image
 from ..media_allowance import MediaAllowance
 from ..media_decode import decode_image
 from ..media_encoder import MediaEncoder
+from ..devices import CPU
 from ..media_fetch import FetchPolicy, MediaError, fetch
 from ..pixel_workers import PixelWorkers
 from ..session import GraphSession
 from .placeholders import MediaLayout
 from .video import decode_video, qwen_video, timestamps
 from .vision_inputs import vision_inputs
+
+# Attention scores a vision run holds per head, over its segments (a segment with more runs alone): the portable
+# graph materialises them, segments x (patches a segment)^2 floats a head. 2^23 is 0.5 GB at 16 heads in fp32: a
+# video's ten frame groups of 720 patches (5.2 million) run together, a photo of 4,800 patches (23 million) alone.
+MAX_RUN_SCORES = 1 << 23
 
 # vLLM's override of the checkpoint's image size for d3 (spec 4.9): 64 to 1,600 tokens.
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 65_536, 1_638_400
@@ -49,6 +55,12 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
         self.side = int(vision["position_grid_side"])
         self.mean = tuple(vision["image_mean"])
         self.std = tuple(vision["image_std"])
+        # Several segments a vision run where the graph takes them (exported since it had a `segments` input) and
+        # on a GPU, where each run's fixed cost is the bound: the seeds' video took 126.6 ms in ten runs of 720
+        # patches at d3-nano on the H200, the photo's 4,800 patches 54.8 ms in one. On the CPU one run of the
+        # video's ten segments was slower than ten (tiny d3's portable graph on two cores, 38 against 21 ms,
+        # scripts/vision_runs.py): there each runs alone.
+        self.segments_together = "segments" in session.input_names and session.provider != CPU
 
     def jobs(self, request: DecisionRequest) -> list[tuple[Hashable, str]]:
         jobs: list[tuple[Hashable, str]] = [(("image", url), f"images[{i}]")
@@ -90,9 +102,37 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
         return MediaLayout(item.kind, ((h // self.merge, w // self.merge),) * t, item.timestamps)
 
     def rows(self, item: Preprocessed, run_options: Any) -> np.ndarray:
-        """Vision graph once per attention segment (an image, or one temporal group of a video)."""
-        t, h, w = item.grid
-        inputs = vision_inputs(h, w, self.side, self.merge)
-        n = h * w
-        return np.concatenate([self.session.run({"pixel_values": item.pixels[g * n:(g + 1) * n], **inputs},
-                                                run_options)[0] for g in range(t)])
+        return self.rows_many([item], run_options)[0]
+
+    def rows_many(self, items: list[Preprocessed], run_options: Any) -> list[np.ndarray]:
+        """Vision rows of each item: its attention segments (an image, or each frame group of a video) run with
+        every other segment of their grid, of any item, up to MAX_RUN_SCORES a run. A segment attends only to its
+        own patches, so its rows do not depend on its run mates. Without `segments_together` each runs alone."""
+        together = self.segments_together
+        by_grid: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (h, w) -> (item, frame group)
+        for i, item in enumerate(items):
+            t, h, w = item.grid
+            by_grid.setdefault((h, w), []).extend((i, g) for g in range(t))
+        out: dict[tuple[int, int], np.ndarray] = {}
+        for (h, w), members in by_grid.items():
+            n = h * w
+            per_run = max(1, MAX_RUN_SCORES // (n * n)) if together else 1
+            for start in range(0, len(members), per_run):
+                run = members[start:start + per_run]
+                feeds = {"pixel_values": _segments_pixels(items, run, n),
+                         **vision_inputs(h, w, self.side, self.merge, len(run))}
+                if "segments" not in self.session.input_names:  # a graph exported before runs took several
+                    del feeds["segments"]
+                rows = self.session.run(feeds, run_options)[0]
+                for member, segment_rows in zip(run, np.split(rows, len(run))):
+                    out[member] = segment_rows
+        return [np.concatenate([out[i, g] for g in range(item.grid[0])]) for i, item in enumerate(items)]
+
+
+def _segments_pixels(items: list[Preprocessed], run: list[tuple[int, int]], n: int) -> np.ndarray:
+    """The pixel rows of a run's segments, one after the other: a slice where they are consecutive frame groups of
+    one item (a video alone: no copy), else a concatenation."""
+    first_item, first_group = run[0]
+    if all(member == (first_item, first_group + k) for k, member in enumerate(run)):
+        return items[first_item].pixels[first_group * n:(first_group + len(run)) * n]
+    return np.concatenate([items[i].pixels[g * n:(g + 1) * n] for i, g in run])

@@ -7,6 +7,8 @@ learned square position table (align_corners=True) and its (row, column) rotary 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 
@@ -26,12 +28,22 @@ def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.
     return np.clip(taps, 0, side - 1), weights.astype(np.float32)
 
 
-def vision_inputs(h: int, w: int, side: int, merge: int) -> dict[str, np.ndarray]:
-    """interp_index [n, 4], interp_weight [n, 4] and rotary_pos [n, 2] for an h x w segment."""
+@lru_cache(maxsize=64)
+def _segment(h: int, w: int, side: int, merge: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rows, cols = merge_block_order(h, w, merge)
     row_taps, row_weights = _axis_taps(rows, h, side)
     col_taps, col_weights = _axis_taps(cols, w, side)
     index = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
     weight = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4)
-    return {"interp_index": index.astype(np.int64), "interp_weight": weight.astype(np.float32),
-            "rotary_pos": np.stack([rows, cols], axis=-1).astype(np.int64)}
+    arrays = (index.astype(np.int64), weight.astype(np.float32), np.stack([rows, cols], axis=-1).astype(np.int64))
+    for array in arrays:
+        array.flags.writeable = False  # shared by every run of the grid
+    return arrays
+
+
+def vision_inputs(h: int, w: int, side: int, merge: int, segments: int = 1) -> dict[str, np.ndarray]:
+    """interp_index [n, 4], interp_weight [n, 4], rotary_pos [n, 2] for `segments` h x w segments one after the
+    other (each its own positions), and `segments` [S], whose length tells the graph their count."""
+    index, weight, positions = _segment(h, w, side, merge)
+    return {"interp_index": np.tile(index, (segments, 1)), "interp_weight": np.tile(weight, (segments, 1)),
+            "rotary_pos": np.tile(positions, (segments, 1)), "segments": np.zeros(segments, dtype=np.int64)}
