@@ -34,7 +34,7 @@ import numpy as np
 
 from .blas_threads import one_blas_thread
 from .deadline import Deadline
-from .shared_arrays import SharedBlock, SharedHandle, attach
+from .shared_arrays import SharedBlock, SharedHandle, attach, remove_orphans
 
 log = logging.getLogger("systemone.media")
 
@@ -98,8 +98,12 @@ class PixelWorkers:
             return self._pool
 
     def start(self) -> None:
-        """Start every worker process now (each imports numpy and OpenCV once), so no request waits for that."""
+        """Start every worker process now (each imports numpy and OpenCV once), so no request waits for that;
+        first delete the shared blocks a killed server left behind."""
         if self.processes:
+            removed = remove_orphans(self.directory)
+            if removed:
+                log.info("removed %d shared memory blocks of media jobs of servers that are gone", removed)
             executor = self._executor()
             for future in [executor.submit(_nothing) for _ in range(self.processes)]:
                 future.result()

@@ -86,6 +86,31 @@ class SharedBlock:
             pass
 
 
+def remove_orphans(directory: str | None = None) -> int:
+    """Delete the blocks of processes that are gone (a server killed mid-job leaves its blocks in /dev/shm);
+    returns how many. A block whose process id is alive, or whose file is not ours, is left alone."""
+    directory = directory or shared_directory()
+    removed = 0
+    for name in os.listdir(directory):
+        prefix, _, rest = name.partition("-")
+        pid = rest.partition("-")[0]
+        if prefix != "systemone" or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's process: not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 def attach(handle: SharedHandle) -> list[np.ndarray]:
     """Another process's block, mapped here for reading and writing."""
     fd = os.open(handle.path, os.O_RDWR)

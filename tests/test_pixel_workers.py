@@ -145,3 +145,20 @@ def test_a_dead_process_costs_its_job_a_rerun_here_and_the_pool_is_replaced(one_
     assert one_process.fallbacks == 1
     assert np.array_equal(fill_add(one_process, source), source + 1)  # in a new process
     assert one_process.fallbacks == 1
+
+
+def test_blocks_left_by_a_killed_server_are_removed_at_start(tmp_path):
+    """A server killed mid-job leaves its blocks behind; the next start deletes them, and nobody else's."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    for name in (f"systemone-{dead_pid}-0", f"systemone-{os.getpid()}-7", "other-file"):
+        (tmp_path / name).write_bytes(b"x")
+    workers = PixelWorkers(processes=1, directory=str(tmp_path))
+    try:
+        workers.start()
+        assert sorted(os.listdir(tmp_path)) == sorted([f"systemone-{os.getpid()}-7", "other-file"])
+    finally:
+        workers.close()
