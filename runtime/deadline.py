@@ -31,6 +31,11 @@ class Deadline:
             return 0.0
         return max(0.0, self._end - time.monotonic())
 
+    def timeout(self) -> float | None:
+        """`remaining()` as a wait's timeout: None where the request has no time limit."""
+        remaining = self.remaining()
+        return None if math.isinf(remaining) else remaining
+
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()

@@ -12,7 +12,6 @@ request that has already been answered.
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 from collections.abc import Hashable
@@ -26,11 +25,6 @@ from .deadline import Deadline
 from .media_allowance import MediaAllowance, MediaBudget
 from .media_encoder import LoadedMedia, MediaEncoder
 from .pixel_workers import PixelWorkers
-
-
-def _timeout(deadline: Deadline) -> float | None:
-    remaining = deadline.remaining()
-    return None if math.isinf(remaining) else remaining
 
 
 class MediaPool:
@@ -113,7 +107,7 @@ class MediaPool:
         """A request's media, loaded in the pool; the calling thread waits (the CLI, tests)."""
         deadline = deadline or Deadline()
         keys, futures, batch = self._submit(encoder, request, deadline)
-        _, pending = wait(futures.values(), timeout=_timeout(deadline), return_when=FIRST_EXCEPTION)
+        _, pending = wait(futures.values(), timeout=deadline.timeout(), return_when=FIRST_EXCEPTION)
         if pending:
             self._abandon(futures, batch)
             wait(futures.values())
@@ -126,7 +120,7 @@ class MediaPool:
         keys, futures, batch = self._submit(encoder, request, deadline)
         wrapped = [asyncio.wrap_future(f) for f in futures.values()]
         try:
-            _, pending = await asyncio.wait(wrapped, timeout=_timeout(deadline), return_when=FIRST_EXCEPTION)
+            _, pending = await asyncio.wait(wrapped, timeout=deadline.timeout(), return_when=FIRST_EXCEPTION)
             if pending:
                 self._abandon(futures, batch)
                 await asyncio.wait(wrapped)

@@ -19,7 +19,6 @@ machine's) together with a cancel flag in shared memory, and a part looks at bot
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import os
 import signal
@@ -164,8 +163,8 @@ class PixelWorkers:
         try:
             for array, shared in zip(inputs, source.arrays[1:]):
                 np.copyto(shared, array)
-            remaining = deadline.remaining()
-            end = time.monotonic() + (remaining if not math.isinf(remaining) else 365 * 86400.0)
+            timeout = deadline.timeout()
+            end = time.monotonic() + (timeout if timeout is not None else 365 * 86400.0)
             futures = [executor.submit(_run_part, fill, source.handle, target.handle, part, end) for part in parts]
             if not _wait(futures, deadline):
                 flag[0] = 1  # parts running stop at their next frame; those not started do nothing
@@ -204,8 +203,7 @@ def _wait(futures: list[Future], deadline: Deadline) -> bool:
         future.add_done_callback(one_done)
     unregister = deadline.on_cancel(finished.set)
     try:
-        remaining = deadline.remaining()
-        finished.wait(None if math.isinf(remaining) else remaining)
+        finished.wait(deadline.timeout())
     finally:
         unregister()
     return left[0] == 0 and not deadline.expired()

@@ -66,11 +66,6 @@ def _is_json(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == JSON_MEDIA_TYPE
 
 
-def _seconds(deadline: Deadline) -> float | None:
-    remaining = deadline.remaining()
-    return None if remaining == float("inf") else remaining
-
-
 def create_app(service: DecisionService, options: ServerOptions | None = None) -> FastAPI:
     """The app for one loaded model."""
     options = options or ServerOptions()
@@ -195,7 +190,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
         deadline = Deadline(options.request_timeout_s)
         try:  # the body is under the request's deadline too: a client that drips its body is cut off
             raw = await asyncio.wait_for(read_capped(request.stream(), request.headers.get("content-length"),
-                                                     options.max_body_bytes), _seconds(deadline))
+                                                     options.max_body_bytes), deadline.timeout())
         except asyncio.TimeoutError:
             raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s "
                               "(--request-timeout)") from None
