@@ -11,6 +11,9 @@
 #                                                       of the text graph and (d3) the media requests' stages
 #   bash scripts/gpu_bench.sh media SIZE MODE           (d3) the media requests' stages alone; on the tiny model
 #                                                       the fetch, decode and preprocessing rows are d3-nano's
+#   bash scripts/gpu_bench.sh vision SIZE MODE          (d3) the vision graphs' segments one run each against one
+#                                                       run of all, and the served form's profile on the seeds'
+#                                                       photo, one of its video's frame groups and all ten
 # FORMS: comma-separated form names (default: every one the family declares / the artifact has for CUDA).
 # BENCH_ARGS: more `systemone bench` flags (e.g. "--repeats 5 --request-repeats 20" where the lease is short).
 set -euo pipefail
@@ -70,6 +73,19 @@ print(sys.argv[2], r['form'], 'gpu ms/run', round(k.get('gpu_ms_per_run',0),2), 
   ;;
 media)
   media_timing
+  ;;
+vision)
+  python3 "$repo/scripts/vision_runs.py" "$work/artifact" --device cuda 2>&1 | quiet | tee "$out/vision_runs_${size}_${mode}.txt"
+  for shape in 60x80x1 20x36x1 20x36x10; do
+    grid=${shape%x*}
+    python3 "$repo/scripts/ort_profile.py" "$work/artifact" --device cuda --graph vision --grid $grid \
+      --segments ${shape##*x} --gpu-kernels --out "$out/profile_vision_${size}_${mode}_${shape}.json" > /dev/null \
+      2> "$out/profile_vision_${shape}.log" || tail -3 "$out/profile_vision_${shape}.log"
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); k=r.get('gpu_kernels',{}); \
+print(sys.argv[2], r['form'], 'host ms/run', round(r['kernel_ms_per_run'],2), 'gpu ms/run', round(k.get('gpu_ms_per_run',0),2), \
+'kernels/run', k.get('kernels_per_run'), {f: round(v['ms'],2) for f,v in k.get('by_family',{}).items()})" \
+      "$out/profile_vision_${size}_${mode}_${shape}.json" $shape || true
+  done
   ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -1,5 +1,7 @@
-"""onnxruntime's own profile of an artifact's text graph (d3's, or d1's read of whole prompts) on one token batch:
-node time by operator type (after one warm-up run), and the nodes placed outside the asked-for provider. Answers "where does the graph's time go" before
+"""onnxruntime's own profile of an artifact's text graph (d3's, or d1's read of whole prompts) on one token batch,
+or of d3's vision graph (`--graph vision`) on SEGMENTS random segments of one patch grid (`--grid 60x80`, the seeds'
+photo; `--grid 20x36 --segments 10`, its video's frame groups in one run): node time by operator type (after one
+warm-up run), and the nodes placed outside the asked-for provider. Answers "where does the graph's time go" before
 optimising. On CUDA a node's time is the host's time in its compute call (launches are asynchronous), so the shares
 say where launch-bound runs spend the host's time, not the GPU's; with `--gpu-kernels` (CUDA, torch installed: a
 profiling tool, not the runtime) CUPTI records every kernel the same runs launch, through torch's profiler, and the
@@ -8,7 +10,7 @@ runtime fetches (d1: the reads, not the new state); `--all-outputs` fetches ever
 d1's reads left their state on the device.
 
     python scripts/ort_profile.py ARTIFACT [--device cuda] [--form auto] [--batch 8] [--length 200] [--runs 5]
-        [--gpu-kernels] [--all-outputs] [--out F]
+        [--gpu-kernels] [--all-outputs] [--graph text|vision] [--grid HxW] [--segments N] [--out F]
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def main() -> None:
     from systemone.runtime.batch import BatchBudget
     from systemone.runtime.d1.state import READS, D1TextRunner, StateLayout
     from systemone.runtime.d3.code_logits import code_logit_feeds, text_positions
+    from systemone.runtime.d3.vision_inputs import vision_inputs
     from systemone.runtime.session import provider_options, resolve_providers
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +91,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--gpu-kernels", action="store_true", help="also the GPU's own kernel times (CUDA, torch)")
     parser.add_argument("--all-outputs", action="store_true", help="fetch every output (d1: its new state too)")
+    parser.add_argument("--graph", choices=("text", "vision"), default="text")
+    parser.add_argument("--grid", default="60x80", help="vision: the segments' patch grid, rows x columns")
+    parser.add_argument("--segments", type=int, default=1, help="vision: segments of that grid in the run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -99,11 +105,24 @@ def main() -> None:
     options.enable_profiling = True
     options.profile_file_prefix = "/tmp/ort_profile"
     options.log_severity_level = 2  # warnings: nodes placed outside the asked-for provider are reported
-    session = ort.InferenceSession(str(artifact.graph_path("text")), options,
+    session = ort.InferenceSession(str(artifact.graph_path(args.graph)), options,
                                    providers=[(p, provider_options(p, None)) for p in providers])
     rng = np.random.default_rng(0)
     fields = artifact.manifest.model
-    if artifact.manifest.family == "d1":  # whole prompts from an empty state, five label tokens read
+    if args.graph == "vision":
+        if artifact.manifest.family != "d3":
+            raise SystemExit("--graph vision profiles d3's vision graph")
+        h, w = (int(x) for x in args.grid.split("x"))
+        vision = fields["vision"]
+        width = session.get_inputs()[0].shape[1]
+        feeds = {"pixel_values": rng.standard_normal((args.segments * h * w, width)).astype(np.float32),
+                 **vision_inputs(h, w, vision["position_grid_side"], vision["merge_size"], args.segments)}
+        if "segments" not in {i.name for i in session.get_inputs()}:
+            if args.segments != 1:
+                raise SystemExit("this vision graph takes one segment a run (exported before the segments input)")
+            feeds.pop("segments")
+        fetch = None
+    elif artifact.manifest.family == "d1":  # whole prompts from an empty state, five label tokens read
         runner = D1TextRunner(None, StateLayout.from_manifest(fields), BatchBudget())
         ids = rng.integers(0, 60_000, (args.batch, args.length))
         feeds = runner.feeds(ids, np.full(args.batch, args.length - 1), np.arange(5, dtype=np.int64),
@@ -131,7 +150,9 @@ def main() -> None:
         by_op[op] += event["dur"] / 1000.0 / args.runs
         providers_seen[event["args"].get("provider", "?")].add(op)
     total = sum(by_op.values())
-    report = {"family": artifact.manifest.family, "batch": args.batch, "length": args.length, "form": artifact.form,
+    shape = ({"grid": args.grid, "segments": args.segments} if args.graph == "vision"
+             else {"batch": args.batch, "length": args.length})
+    report = {"family": artifact.manifest.family, "graph": args.graph, **shape, "form": artifact.form,
               "outputs": fetch or "all",
               "provider": session.get_providers()[0],
               "kernel_ms_per_run": total,
@@ -139,7 +160,7 @@ def main() -> None:
               "ops_by_provider": {p: sorted(ops) for p, ops in providers_seen.items()}}
     if args.gpu_kernels:
         options.enable_profiling = False
-        plain = ort.InferenceSession(str(artifact.graph_path("text")), options,
+        plain = ort.InferenceSession(str(artifact.graph_path(args.graph)), options,
                                      providers=[(p, provider_options(p, None)) for p in providers])
         plain.run(fetch, feeds)  # the shapes' allocations and library set-up, outside the record
         report["gpu_kernels"] = gpu_kernel_times(lambda: plain.run(fetch, feeds), args.runs)

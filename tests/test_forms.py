@@ -412,7 +412,8 @@ def test_twin_casts_the_converter_writes_for_a_value_listed_twice_are_made_one()
 
 
 def test_the_fused_vision_graph_in_torch_is_the_portable_one(d3_checkpoint):
-    """The attention op's eager body is the portable vision graph's attention: both modules agree on a segment."""
+    """The fused ops' eager bodies (attention, tanh GELU) are the portable vision graph's: both modules agree on a
+    segment."""
     import torch
 
     from systemone.export.d3.config import D3ExportConfig
@@ -433,3 +434,14 @@ def test_the_fused_forms_vision_graph_runs_each_blocks_attention_as_one_node(d3_
     assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
     assert not any(n.op_type == "Softmax" for n in half.graph.node)
     assert all(n.domain == "com.microsoft" for n in attention)
+
+
+def test_the_fused_forms_vision_mlp_runs_its_tanh_gelu_as_one_node(d3_artifact):
+    """Each vision block's MLP activation is one FastGelu node (one pass over its n x intermediate values) in place
+    of the portable graph's Pow, Tanh and six more; the merger's exact GELU stays as exported."""
+    half = onnx.load(str(d3_artifact / "vision.cuda-fused-fp16.onnx"), load_external_data=False)
+    portable = onnx.load(str(d3_artifact / "vision.onnx"), load_external_data=False)
+    gelus = [n for n in half.graph.node if n.op_type == "FastGelu"]
+    assert len(gelus) == sum(n.op_type == "Tanh" for n in portable.graph.node) >= 1
+    assert not any(n.op_type in ("Tanh", "Pow") for n in half.graph.node)
+    assert all(n.domain == "com.microsoft" for n in gelus)

@@ -16,6 +16,8 @@ inputs and attributes by it). The nodes, and the sums they compute:
   tensor-core engine runs only with fp16 query/key/value (128-wide heads): the node reads them in fp16; decay,
   update rate and state stay fp32 (the op's contract).
 - `GatedRMSNorm` (SiLU gate): y = x / sqrt(mean(x^2) + eps) * w * silu(z), over each head's values.
+- `FastGelu`: y = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh GELU of the vision blocks' MLP, one
+  kernel in place of the eight elementwise nodes its export writes (each a pass over n x 4,096 fp32 values).
 - `MultiHeadAttention` (no mask, one segment): out = softmax(scale q k^T) v per head, read in fp16 (on CUDA its
   flash and memory-efficient kernels run in half precision) and returned in fp32. The portable vision graph's
   fp32 scores for a 1280 x 960 photo (4,800 patches) are 4,800^2 per head and block.
@@ -58,6 +60,7 @@ GATED_DELTA_NET = _op(
 MULTI_HEAD_ATTENTION = _op("MultiHeadAttention", [_Param("query", "T"), _Param("key", "T"), _Param("value", "T")],
                            [_Param("output", "T")], [("T", _HALF_OR_FLOAT, "")],
                            {"num_heads": _AttrType.INT, "scale": _AttrType.FLOAT})
+FAST_GELU = _op("FastGelu", [_Param("X", "T")], [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")], {})
 GATED_RMS_NORM = _op("GatedRMSNorm", [_Param("X", "T"), _Param("scale", "T"), _Param("gate", "T")],
                      [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")],
                      {"epsilon": _AttrType.FLOAT, "activation": _AttrType.STRING})
@@ -157,7 +160,24 @@ def _segment_attention(query: FLOAT, key: FLOAT, value: FLOAT, segments: INT64, 
     return op.Cast(op.Reshape(out, op.Shape(rows)), to=FLOAT.dtype)
 
 
+# -- the vision MLP's activation ------------------------------------------------------------------------------------
+@torch.library.custom_op("systemone::gelu_tanh", mutates_args=())
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (transformers' `gelu_pytorch_tanh`), elementwise."""
+    return F.gelu(x, approximate="tanh")
+
+
+@gelu_tanh.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+def _fast_gelu(x: FLOAT) -> FLOAT:
+    return FAST_GELU(x)
+
+
 TRANSLATIONS = {torch.ops.systemone.causal_conv_silu.default: _causal_conv,
                 torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
                 torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm,
-                torch.ops.systemone.segment_attention.default: _segment_attention}
+                torch.ops.systemone.segment_attention.default: _segment_attention,
+                torch.ops.systemone.gelu_tanh.default: _fast_gelu}

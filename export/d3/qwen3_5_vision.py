@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_ops import segment_attention
+from .fused_ops import gelu_tanh, segment_attention
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -28,13 +28,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class D3VisionGraph(nn.Module):
-    """`fused`: each block's attention as onnxruntime's MultiHeadAttention node (export/d3/fused_ops.py), for the
-    CUDA form; the portable graph writes it out as products and a softmax."""
+    """`fused`: each block's attention as onnxruntime's MultiHeadAttention node and its MLP's tanh GELU as a FastGelu
+    node (export/d3/fused_ops.py), for the CUDA form; the portable graph writes both out op by op."""
 
     def __init__(self, visual: nn.Module, fused: bool = False):
         super().__init__()
         self.visual = visual
         self.fused = fused
+        self.fast_gelu = fused and visual.config.hidden_act == "gelu_pytorch_tanh"
         proj = visual.patch_embed.proj
         self.register_buffer("patch_weight", proj.weight.detach().reshape(proj.weight.shape[0], -1).float().clone(),
                              persistent=False)
@@ -52,10 +53,15 @@ class D3VisionGraph(nn.Module):
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         for block in visual.blocks:
             hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, segments, self.fused)
-            hidden = hidden + block.mlp(block.norm2(hidden))
+            hidden = hidden + self._mlp(block.mlp, block.norm2(hidden))
         merger = visual.merger
         merged = merger.norm(hidden).reshape(-1, merger.hidden_size)
         return merger.linear_fc2(F.gelu(merger.linear_fc1(merged)))
+
+    def _mlp(self, mlp: nn.Module, hidden):
+        if self.fast_gelu:
+            return mlp.linear_fc2(gelu_tanh(mlp.linear_fc1(hidden)))
+        return mlp(hidden)
 
     @staticmethod
     def _attention(attn: nn.Module, hidden, cos, sin, segments, fused: bool):
