@@ -412,8 +412,8 @@ def test_twin_casts_the_converter_writes_for_a_value_listed_twice_are_made_one()
 
 
 def test_the_fused_vision_graph_in_torch_is_the_portable_one(d3_checkpoint):
-    """The fused ops' eager bodies (attention, tanh GELU) are the portable vision graph's: both modules agree on a
-    segment."""
+    """The fused ops' eager bodies (rotary, attention, tanh GELU) are the portable vision graph's: both modules
+    agree on a segment."""
     import torch
 
     from systemone.export.d3.config import D3ExportConfig
@@ -434,6 +434,18 @@ def test_the_fused_forms_vision_graph_runs_each_blocks_attention_as_one_node(d3_
     assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
     assert not any(n.op_type == "Softmax" for n in half.graph.node)
     assert all(n.domain == "com.microsoft" for n in attention)
+
+
+def test_the_fused_forms_vision_rotary_is_one_node_for_query_and_one_for_key(d3_artifact):
+    """Each block's 2-D rotary is a RotaryEmbedding node for its query and one for its key (one cos/sin row a
+    patch) in place of the portable graph's halves, negation and products."""
+    half = onnx.load(str(d3_artifact / "vision.cuda-fused-fp16.onnx"), load_external_data=False)
+    portable = onnx.load(str(d3_artifact / "vision.onnx"), load_external_data=False)
+    rotary = [n for n in half.graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rotary) == sum(n.op_type == "Neg" for n in portable.graph.node) == 2 * sum(
+        n.op_type == "Softmax" for n in portable.graph.node)
+    assert not any(n.op_type == "Neg" for n in half.graph.node)
+    assert all(n.domain == "com.microsoft" for n in rotary)
 
 
 def test_the_fused_forms_vision_mlp_runs_its_tanh_gelu_as_one_node(d3_artifact):

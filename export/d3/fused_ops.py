@@ -16,6 +16,9 @@ inputs and attributes by it). The nodes, and the sums they compute:
   tensor-core engine runs only with fp16 query/key/value (128-wide heads): the node reads them in fp16; decay,
   update rate and state stay fp32 (the op's contract).
 - `GatedRMSNorm` (SiLU gate): y = x / sqrt(mean(x^2) + eps) * w * silu(z), over each head's values.
+- `RotaryEmbedding` (not interleaved; one cos/sin row a patch, position i reading row i): the vision blocks' 2-D
+  rotary, x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), one kernel for query and one for key in place of
+  eleven nodes, in fp32.
 - `FastGelu`: y = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh GELU of the vision blocks' MLP, one
   kernel in place of the eight elementwise nodes its export writes (each a pass over n x 4,096 fp32 values).
 - `MultiHeadAttention` (no mask, one segment): out = softmax(scale q k^T) v per head, read in fp16 (on CUDA its
@@ -60,6 +63,10 @@ GATED_DELTA_NET = _op(
 MULTI_HEAD_ATTENTION = _op("MultiHeadAttention", [_Param("query", "T"), _Param("key", "T"), _Param("value", "T")],
                            [_Param("output", "T")], [("T", _HALF_OR_FLOAT, "")],
                            {"num_heads": _AttrType.INT, "scale": _AttrType.FLOAT})
+ROTARY_EMBEDDING = _op("RotaryEmbedding", [_Param("input", "T"), _Param("position_ids", "M"),
+                                           _Param("cos_cache", "T"), _Param("sin_cache", "T")],
+                       [_Param("output", "T")], [("T", _HALF_OR_FLOAT, ""), ("M", ["tensor(int64)"], "")],
+                       {"num_heads": _AttrType.INT, "interleaved": _AttrType.INT})
 FAST_GELU = _op("FastGelu", [_Param("X", "T")], [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")], {})
 GATED_RMS_NORM = _op("GatedRMSNorm", [_Param("X", "T"), _Param("scale", "T"), _Param("gate", "T")],
                      [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")],
@@ -160,6 +167,27 @@ def _segment_attention(query: FLOAT, key: FLOAT, value: FLOAT, segments: INT64, 
     return op.Cast(op.Reshape(out, op.Shape(rows)), to=FLOAT.dtype)
 
 
+# -- the vision tower's rotary ----------------------------------------------------------------------------------
+@torch.library.custom_op("systemone::patch_rotary", mutates_args=())
+def patch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """x [n, H, D] fp32 (H = `heads`), cos, sin [n, D / 2]: patch i's halves rotated by its own angles -> [n, H, D]."""
+    half = x.shape[-1] // 2
+    cos, sin = (torch.cat([t, t], dim=-1)[:, None, :] for t in (cos, sin))
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@patch_rotary.register_fake
+def _(x, cos, sin, heads):
+    return x.new_empty(x.shape)
+
+
+def _patch_rotary(x: FLOAT, cos: FLOAT, sin: FLOAT, heads: int) -> FLOAT:
+    # [n, H, D] -> [1, n, H * D], the op's layout; a position_ids of [0] reads cache rows 0 .. n - 1, one a patch.
+    rows = op.Unsqueeze(op.Reshape(x, op.Constant(value_ints=[0, -1])), op.Constant(value_ints=[0]))
+    out = ROTARY_EMBEDDING(rows, op.Constant(value_ints=[0]), cos, sin, num_heads=heads, interleaved=0)
+    return op.Reshape(out, op.Shape(x))
+
+
 # -- the vision MLP's activation ------------------------------------------------------------------------------------
 @torch.library.custom_op("systemone::gelu_tanh", mutates_args=())
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -180,4 +208,5 @@ TRANSLATIONS = {torch.ops.systemone.causal_conv_silu.default: _causal_conv,
                 torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
                 torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm,
                 torch.ops.systemone.segment_attention.default: _segment_attention,
+                torch.ops.systemone.patch_rotary.default: _patch_rotary,
                 torch.ops.systemone.gelu_tanh.default: _fast_gelu}

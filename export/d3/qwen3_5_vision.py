@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_ops import gelu_tanh, segment_attention
+from .fused_ops import gelu_tanh, patch_rotary, segment_attention
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -28,8 +28,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class D3VisionGraph(nn.Module):
-    """`fused`: each block's attention as onnxruntime's MultiHeadAttention node and its MLP's tanh GELU as a FastGelu
-    node (export/d3/fused_ops.py), for the CUDA form; the portable graph writes both out op by op."""
+    """`fused`: each block's rotary as onnxruntime's RotaryEmbedding nodes, its attention as a MultiHeadAttention node
+    and its MLP's tanh GELU as a FastGelu node (export/d3/fused_ops.py), for the CUDA form; the portable graph writes
+    them out op by op."""
 
     def __init__(self, visual: nn.Module, fused: bool = False):
         super().__init__()
@@ -48,9 +49,12 @@ class D3VisionGraph(nn.Module):
         pos = (visual.pos_embed(interp_index).float() * interp_weight[:, :, None]).sum(1)
         hidden = hidden + pos
         freqs = rotary_pos[..., None].float() * self.inv_freq  # [n, 2, F]
-        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)  # [n, D / 2]
+        if self.fused:  # the op's cache: one row of half-width angles a patch
+            cos, sin = freqs.cos(), freqs.sin()
+        else:
+            emb = torch.cat([freqs, freqs], dim=-1)
+            cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         for block in visual.blocks:
             hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, segments, self.fused)
             hidden = hidden + self._mlp(block.mlp, block.norm2(hidden))
@@ -67,10 +71,11 @@ class D3VisionGraph(nn.Module):
     def _attention(attn: nn.Module, hidden, cos, sin, segments, fused: bool):
         n = hidden.shape[0]
         q, k, v = attn.qkv(hidden).reshape(n, 3, attn.num_heads, -1).unbind(1)  # [n, heads, d]
+        if fused:
+            q, k = (patch_rotary(x.float(), cos, sin, attn.num_heads) for x in (q, k))
+            return attn.proj(segment_attention(q, k, v.float(), segments, attn.num_heads, attn.scaling))
         q = q.float() * cos + _rotate_half(q.float()) * sin
         k = k.float() * cos + _rotate_half(k.float()) * sin
-        if fused:
-            return attn.proj(segment_attention(q, k, v.float(), segments, attn.num_heads, attn.scaling))
         count = segments.shape[0]
         q, k, v = (x.reshape(count, -1, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [S, heads, n / S, d]
         probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scaling, dim=-1, dtype=torch.float32)
