@@ -3,8 +3,9 @@ where the artifact has one, the CUDA form) on --device, with the runtime's Graph
 groups of 20x36 patches) and four photos of 60x80, each as one run per segment and as one run of all of them (the
 `segments` input). Prints median and min ms of 20 runs after 3, and the largest difference between the two ways
 (the same rows: each segment attends only to itself). The encoder runs segments together on a GPU and alone on the
-CPU (runtime/d3/media.py), from this script's figures on two CPU cores (tiny d3, portable graph: the video 21 ms
-in ten runs, 38 ms in one; scripts/results/vision_runs_cpu_d3_tiny.txt).
+CPU (runtime/d3/media.py), from this script's figures: on two CPU cores (tiny d3, portable graph) the video took 21
+ms in ten runs and 38 ms in one (scripts/results/vision_runs_cpu_d3_tiny.txt); on the H200 (d3-nano, the fused
+form) 66.0 ms in ten and 31.9 ms in one (scripts/results/gpu_vision_runs_d3-nano_noncausal_ninth.txt).
 
     python scripts/vision_runs.py ARTIFACT [--device cuda]
 """

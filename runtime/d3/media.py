@@ -56,10 +56,10 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
         self.mean = tuple(vision["image_mean"])
         self.std = tuple(vision["image_std"])
         # Several segments a vision run where the graph takes them (exported since it had a `segments` input) and
-        # on a GPU, where each run's fixed cost is the bound: the seeds' video took 126.6 ms in ten runs of 720
-        # patches at d3-nano on the H200, the photo's 4,800 patches 54.8 ms in one. On the CPU one run of the
-        # video's ten segments was slower than ten (tiny d3's portable graph on two cores, 38 against 21 ms,
-        # scripts/vision_runs.py): there each runs alone.
+        # on a GPU, where a small run's host side is the bound: the seeds' video's ten segments of 720 patches
+        # took 31.9 ms in one run against 66.0 ms in ten at d3-nano on the H200 (docs/gpu.md, ninth run). On the
+        # CPU one run of the video's ten segments was slower than ten (tiny d3's portable graph on two cores, 38
+        # against 21 ms, scripts/vision_runs.py): there each runs alone.
         self.segments_together = "segments" in session.input_names and session.provider != CPU
 
     def jobs(self, request: DecisionRequest) -> list[tuple[Hashable, str]]:
