@@ -127,6 +127,31 @@ def write_video(path, frames: int, fps: float, width: int, height: int, codec: s
     return path.read_bytes()
 
 
+def with_one_keyframe(mp4: bytes) -> bytes:
+    """The same MP4 with its sync-sample table (moov/trak/mdia/minf/stbl/stss) cut to its first entry: demuxers then
+    see one keyframe, at frame 0, as in a long-GOP stream, while the frames still decode from the start. (OpenCV's
+    writer cannot be asked for a long GOP: it ignores the key-interval setting.) Only the table's count changes; the
+    entries after it stay inside the box, which readers skip to its end."""
+    data = bytearray(mp4)
+
+    def boxes(start: int, end: int):
+        while start + 8 <= end:
+            size, kind = int.from_bytes(data[start:start + 4], "big"), bytes(data[start + 4:start + 8])
+            yield start, start + size, kind
+            start += size
+
+    def find(path: list[bytes], start: int, end: int) -> int:
+        for box_start, box_end, kind in boxes(start, end):
+            if kind == path[0]:
+                return box_start if len(path) == 1 else find(path[1:], box_start + 8, box_end)
+        raise ValueError(f"no {path[0]!r} box")
+
+    stss = find([b"moov", b"trak", b"mdia", b"minf", b"stbl", b"stss"], 0, len(data))
+    assert int.from_bytes(data[stss + 12:stss + 16], "big") > 1, "the stream has one keyframe already"
+    data[stss + 12:stss + 16] = (1).to_bytes(4, "big")  # after size, type, version and flags
+    return bytes(data)
+
+
 def gradient_png(width: int, height: int, seed: int = 0) -> bytes:
     """A deterministic RGB gradient with a little noise, PNG-encoded (resizes of it show every filter detail)."""
     rng = np.random.default_rng(seed)

@@ -17,7 +17,7 @@ from systemone.runtime.media_allowance import MediaAllowance, MediaBudget
 from systemone.runtime.media_errors import MediaTooLarge
 from systemone.runtime.pixel_workers import PixelWorkers
 from systemone.server.errors import http_status
-from tests.media_helpers import write_video
+from tests.media_helpers import with_one_keyframe, write_video
 
 REFERENCE = np.load(FIXTURE)
 SPEC_INDICES = [0, 16, 31, 47, 63, 79, 94, 110, 126, 142, 157, 173, 189, 205, 220, 236, 252, 268, 283, 299]
@@ -99,6 +99,23 @@ def test_the_pixels_decoded_for_one_video_are_bounded_before_decoding(tmp_path):
     assert len(video.indices) == 32
     with pytest.raises(MediaTooLarge, match=r"decode 528 frames .* \(--max-video-decode-pixels\)") as info:
         decode_video(data, "videos[1]", allowance=MediaAllowance(MediaBudget(video_decode_pixels=500 * frame)))
+    assert http_status(info.value)[0] == 413 and info.value.message.startswith("media: videos[1]: ")
+
+
+def test_a_stream_with_one_keyframe_is_read_on_and_its_decoding_counted_before_it_starts(tmp_path):
+    """The same 1,200 frames of mp4v (a keyframe every 12), and with its container saying frame 0 is the only
+    keyframe (a long GOP): seeking would decode from the start each time, so the stream is read on, 1,200 frames
+    decoded against 700; the same sampled pixels either way; and a budget between the two refuses only the long
+    GOP, before a frame is decoded."""
+    data = write_video(tmp_path / "long.mp4", frames=1200, fps=30.0, width=320, height=240)
+    long_gop = with_one_keyframe(data)
+    frame = 320 * 240
+    budget = MediaAllowance(MediaBudget(video_decode_pixels=800 * frame))
+    short, long = decode_video(data, "videos[0]", allowance=budget), decode_video(long_gop, "videos[0]")
+    assert list(short.indices) == list(long.indices) == sample_indices(1200, 30.0).tolist()
+    assert all(np.array_equal(a, b) for a, b in zip(short.frames, long.frames, strict=True))
+    with pytest.raises(MediaTooLarge, match=r"decode 1,200 frames .* \(--max-video-decode-pixels\)") as info:
+        decode_video(long_gop, "videos[1]", allowance=MediaAllowance(MediaBudget(video_decode_pixels=800 * frame)))
     assert http_status(info.value)[0] == 413 and info.value.message.startswith("media: videos[1]: ")
 
 
