@@ -1,6 +1,6 @@
 """Slowloris at scale on loopback: `systemone serve` at its default connection flags, then N connections that each
-send half a request line and hold it. Reports what the server did with them (closed at once past the cap, or held
-until the header timeout), its open descriptors, whether `/health` and a real request were answered during the
+send half a request line and hold it. Reports what the server did with them (displaced by newer ones past the
+cap, or held until the header timeout), its open descriptors, whether `/health` and a real request were answered during the
 flood and after the header timeout, and how many lines it logged. The client needs N descriptors of its own
 (`ulimit -n`). With `--per-client K` the server caps each client address at K connections
 (`--max-connections-per-client`) and the flood comes from 127.0.0.2 while the probes come from 127.0.0.1.

@@ -2,6 +2,11 @@
 optionally, on one client address's), and one log line (not one per accept) when the process runs out of file
 descriptors.
 
+At the cap, a new connection takes the place of the open one that has waited longest for its next request's
+headers (a client sending them slowly, or an idle keep-alive one); only when every open connection has a request in
+flight is the new one closed. So connections from many addresses that hold the cap by sending nothing (each within
+the header deadline) cannot keep out a client that sends its request at once: it displaces the oldest of them.
+
 uvicorn's own limits are used where they suffice (README "Bounds"): `limit_concurrency` answers 503 once that many
 connections or tasks are open, `timeout_keep_alive` closes idle keep-alive connections, and h11's
 `max_incomplete_event_size` caps a request's header bytes. None of them closes a connection that sends its headers
@@ -27,31 +32,54 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, max_per_clie
     `header_timeout_s` (from connect, or from the previous response), connections past `max_connections`, and with
     `max_per_client` (0: no such cap) a client address's connections past that many."""
     open_by_client: Counter[str] = Counter()  # this server's connections by client address
+    # Connections by when they began waiting for a request's headers, oldest first. One whose request has since
+    # arrived is dropped when met here (and put back at the end when its response is done): each new connection
+    # at the cap costs a few steps, not a pass over every connection.
+    waiting: dict[H11Protocol, None] = {}
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _client: str | None = None  # counted in open_by_client while the connection is open
+        _waiting_after: object = None  # the request cycle after which it waits for headers (None: the first)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                transport.abort()  # past the cap: closed before a byte is read, nothing logged
-                return
+            client = None
             if max_per_client:
                 peer = transport.get_extra_info("peername")
                 client = peer[0] if isinstance(peer, tuple) else str(peer)
                 if open_by_client[client] >= max_per_client:
                     transport.abort()  # one address may not hold every connection the server has
                     return
+            if len(self.connections) > max_connections and not self._make_room():
+                transport.abort()  # past the cap, every other request in flight: closed, nothing logged
+                return
+            if client is not None:
                 open_by_client[client] += 1
                 self._client = client
             self._arm()
 
+        def _waiting_for_headers(self) -> bool:
+            return self.cycle is self._waiting_after and not self.transport.is_closing()
+
+        def _make_room(self) -> bool:
+            """Close the other connection that has waited longest for its next request's headers; False if none
+            is waiting."""
+            while waiting:
+                oldest = next(iter(waiting))
+                del waiting[oldest]
+                if oldest is not self and oldest._waiting_for_headers():
+                    oldest.transport.abort()
+                    return True
+            return False
+
         def _arm(self) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
-            waiting_after = self.cycle
-            self._header_timer = self.loop.call_later(header_timeout_s, self._expire, waiting_after)
+            self._waiting_after = self.cycle
+            waiting.pop(self, None)
+            waiting[self] = None  # the newest wait
+            self._header_timer = self.loop.call_later(header_timeout_s, self._expire, self.cycle)
 
         def _expire(self, waiting_after: object) -> None:
             if self.cycle is waiting_after and not self.transport.is_closing():
@@ -64,6 +92,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, max_per_clie
         def connection_lost(self, exc: Exception | None) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
+            waiting.pop(self, None)
             if self._client is not None:
                 open_by_client[self._client] -= 1
                 if not open_by_client[self._client]:

@@ -135,7 +135,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=int(args.request_timeout) + 5,
                     http=guarded_protocol(args.header_timeout, max_connections, args.max_connections_per_client),
-                    limit_concurrency=max_connections,
+                    # One over the cap: the guard keeps connections at it (a new one displacing a waiting one),
+                    # and uvicorn answers 503 from `limit_concurrency` connections on.
+                    limit_concurrency=max_connections + 1,
                     timeout_keep_alive=5)
     finally:
         service.close()
@@ -376,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds a connection may take to send a request's headers (then it is closed)")
     serve.add_argument("--max-connections", type=int, default=1024,
-                       help="open connections; more are closed at once (and kept below the descriptor limit)")
+                       help="open connections (kept below the descriptor limit); past it a new one displaces the one "
+                            "waiting longest for its request's headers, or is closed if every one has a request")
     serve.add_argument("--max-connections-per-client", type=_non_negative_int, default=0,
                        help="open connections from one client address; more are closed at once (0: no such cap; "
                             "behind a reverse proxy every connection has the proxy's address)")

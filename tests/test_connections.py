@@ -49,17 +49,43 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off(d3_service):
         assert httpx.get(base + "/health").status_code == 200
 
 
-def test_connections_past_the_cap_are_closed_at_once(d3_service):
+def test_past_the_cap_a_new_connection_displaces_the_one_waiting_longest_for_headers(d3_service):
+    """Cap 8: of 20 connections that send nothing, each past the eighth closes the oldest silent one, so the first 12
+    are closed and the last 8 stay; a client that then sends its request at once is answered."""
     with live_server(d3_service, http=guarded_protocol(30.0, 8)) as base:
-        sockets = [socket.create_connection(("127.0.0.1", port_of(base))) for _ in range(20)]
+        sockets = []
+        for _ in range(20):
+            sockets.append(socket.create_connection(("127.0.0.1", port_of(base))))
+            time.sleep(0.02)  # one after another: their waits are ordered
         try:
-            closed = sum(closed_by_server_within(s, 0.5) for s in sockets)
+            closed = [closed_by_server_within(s, 0.3) for s in sockets]
+            assert closed == [True] * 12 + [False] * 8
+            assert httpx.get(base + "/health").status_code == 200
         finally:
             for s in sockets:
                 s.close()
-        time.sleep(0.3)
-        assert closed >= 12
-        assert httpx.get(base + "/health").status_code == 200
+
+
+def test_past_the_cap_with_every_request_in_flight_a_new_connection_is_closed(d3_service):
+    """Connections whose requests are in flight (headers in, body arriving) are never displaced: at the cap the new
+    connection is the one closed, and the requests go on."""
+    head = (b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(GOOD))
+    with live_server(d3_service, ServerOptions(request_timeout_s=30), http=guarded_protocol(30.0, 4)) as base:
+        busy = [socket.create_connection(("127.0.0.1", port_of(base))) for _ in range(4)]
+        try:
+            for s in busy:
+                s.sendall(head + GOOD[:5])
+            time.sleep(0.3)
+            with socket.create_connection(("127.0.0.1", port_of(base))) as late:
+                assert closed_by_server_within(late, 1.0)
+            for s in busy:
+                s.sendall(GOOD[5:])
+                s.settimeout(30)
+                assert s.recv(64).startswith(b"HTTP/1.1 200")
+        finally:
+            for s in busy:
+                s.close()
 
 
 def test_one_client_address_cannot_hold_every_connection(d3_service):
