@@ -28,8 +28,8 @@ def test_load_is_answered_or_refused_cleanly(d3_service, max_concurrency, max_qu
 
 def test_what_start_up_made_is_frozen_out_of_the_collectors_full_passes_while_serving(d3_service):
     """The garbage collector's full passes scan only what requests leave behind while the server runs (they held
-    the GIL 45-65 ms each under load when they scanned the tokenizer and sessions too); the objects are handed back
-    when the app stops."""
+    the GIL up to 80 ms each under load when they scanned the tokenizer and sessions too, scripts/gc_pauses.py);
+    the objects are handed back when the app stops."""
     import gc
 
     import httpx
