@@ -79,10 +79,10 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, max_per_clie
             self._waiting_after = self.cycle
             waiting.pop(self, None)
             waiting[self] = None  # the newest wait
-            self._header_timer = self.loop.call_later(header_timeout_s, self._expire, self.cycle)
+            self._header_timer = self.loop.call_later(header_timeout_s, self._expire)
 
-        def _expire(self, waiting_after: object) -> None:
-            if self.cycle is waiting_after and not self.transport.is_closing():
+        def _expire(self) -> None:
+            if self._waiting_for_headers():
                 self.transport.abort()  # no new request's headers arrived in time
 
         def on_response_complete(self) -> None:
