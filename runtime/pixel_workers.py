@@ -124,7 +124,8 @@ class PixelWorkers:
         try:
             if self.processes and not (alone and len(inputs) == 1 and self.lone_images_here):
                 try:
-                    out = self._in_processes(fill, inputs, shape, parts, deadline, dtype)
+                    executor = self._executor()
+                    out = self._in_processes(executor, fill, inputs, shape, parts, deadline, dtype)
                     with self._lock:
                         self.in_processes += 1
                     return out
@@ -132,7 +133,7 @@ class PixelWorkers:
                     log.warning("a media job runs in threads: shared memory refused it (%s)", exc)
                 except BrokenProcessPool:
                     log.warning("a media worker process died; a new pool starts, this job runs in threads")
-                    self._replace_broken_pool()
+                    self._replace_pool(executor)
                 with self._lock:
                     self.fallbacks += 1
             return self._in_threads(fill, inputs, shape, parts, deadline, dtype)
@@ -150,9 +151,8 @@ class PixelWorkers:
         deadline.check()
         return out
 
-    def _in_processes(self, fill: Fill, inputs: Sequence[np.ndarray], shape: tuple[int, ...], parts: Sequence[Any],
-                      deadline: Deadline, dtype: type) -> np.ndarray:
-        executor = self._executor()
+    def _in_processes(self, executor: ProcessPoolExecutor, fill: Fill, inputs: Sequence[np.ndarray],
+                      shape: tuple[int, ...], parts: Sequence[Any], deadline: Deadline, dtype: type) -> np.ndarray:
         source = SharedBlock.create([((1,), np.uint8)] + [(a.shape, a.dtype) for a in inputs], self.directory)
         try:
             target = SharedBlock.create([(shape, dtype)], self.directory)
@@ -178,13 +178,14 @@ class PixelWorkers:
             target.unlink()
         return target.arrays[0]
 
-    def _replace_broken_pool(self) -> None:
+    def _replace_pool(self, broken: ProcessPoolExecutor) -> None:
+        """Drop `broken` (a worker of it died) so that the next job starts a new pool; another job that met the
+        same death may have done so already."""
         with self._lock:
-            pool = self._pool
-            if pool is not None and getattr(pool, "_broken", False):
-                self._pool = None
-        if pool is not None and self._pool is None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            if self._pool is not broken:
+                return
+            self._pool = None
+        broken.shutdown(wait=False, cancel_futures=True)
 
 
 def _wait(futures: list[Future], deadline: Deadline) -> bool:

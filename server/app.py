@@ -143,7 +143,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             return unauthorized(exc)
         pool = service.media_pool
         return PlainTextResponse(metrics.render(admission.running, admission.queued, pool.running, scheduler.work(),
-                                                pool.load_s, pool.pixels.fallbacks),
+                                                pool.load_s, pool.pixels.fallbacks, pool.pixels.in_processes),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

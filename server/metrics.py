@@ -37,9 +37,10 @@ class Metrics:
 
     def render(self, running: int, queued: int, media_running: int = 0,
                lanes: Mapping[str, tuple[float, int]] | None = None, media_load_s: float = 0.0,
-               media_fallbacks: int = 0) -> str:
+               media_fallbacks: int = 0, media_process_jobs: int = 0) -> str:
         """`lanes`: the scheduler's work, seconds and jobs by lane; `media_load_s`: the media pool's seconds;
-        `media_fallbacks`: pixel jobs run in threads because shared memory was full or a worker process died."""
+        `media_process_jobs`: pixel jobs run in the media worker processes; `media_fallbacks`: pixel jobs run in
+        threads because shared memory was full or a worker process died."""
         with self._lock:
             lines = ["# HELP systemone_requests_total POST /v1/systemone requests by HTTP status.",
                      "# TYPE systemone_requests_total counter"]
@@ -67,6 +68,10 @@ class Metrics:
                       "# HELP systemone_media_load_seconds_total Seconds media threads spent loading, all together.",
                       "# TYPE systemone_media_load_seconds_total counter",
                       f"systemone_media_load_seconds_total {media_load_s}",
+                      "# HELP systemone_media_process_jobs_total Media pixel jobs run in the media worker "
+                      "processes.",
+                      "# TYPE systemone_media_process_jobs_total counter",
+                      f"systemone_media_process_jobs_total {media_process_jobs}",
                       "# HELP systemone_media_fallback_jobs_total Media pixel jobs run in the server's threads "
                       "because shared memory was full or a media worker process died.",
                       "# TYPE systemone_media_fallback_jobs_total counter",

@@ -144,3 +144,29 @@ def test_one_option_choice_is_certain(client):
     answer = post(client, {"state": "x", "questions": {"q": {"type": "choice", "criteria": {"billing": None}}}}
                   ).json()["answers"]["q"]
     assert answer["probabilities"] == {"billing": 1.0} and answer["confidence"] == 1.0
+
+
+def test_metrics_count_the_pixel_jobs_made_in_the_media_worker_processes(d3_service):
+    """A video's pixel rows are made in the media worker processes (the session's service has one): /metrics counts
+    the job there, and none run in threads for want of shared memory or a live worker."""
+    import base64
+    import re
+
+    from PIL import Image
+
+    from scripts.vision_fixtures import fixture_image
+    from tests.media_helpers import encoded
+
+    def counter(text: str, name: str) -> int:
+        return int(re.search(rf"^{name} (\d+)$", text, re.M).group(1))
+
+    frames = [encoded(Image.fromarray(fixture_image("vga-640x480")[i * 8:i * 8 + 240, :320]), "JPEG")
+              for i in range(4)]
+    video = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+    with TestClient(create_app(d3_service)) as client:
+        before = client.get("/metrics").text
+        assert post(client, {"state": None, "videos": [video], "questions": {"q": NOUL}}).status_code == 200
+        after = client.get("/metrics").text
+    made, fallback = "systemone_media_process_jobs_total", "systemone_media_fallback_jobs_total"
+    assert counter(after, made) == counter(before, made) + 1
+    assert counter(after, fallback) == counter(before, fallback)
