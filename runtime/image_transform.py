@@ -15,7 +15,7 @@ from functools import lru_cache, partial
 import numpy as np
 
 from .deadline import Deadline
-from .pixel_workers import PixelWorkers
+from .pixel_workers import PixelWorkers, fill_here
 
 BICUBIC_A = -0.5  # Pillow's (and torchvision's antialias) cubic convolution coefficient
 
@@ -290,10 +290,7 @@ def qwen_image(rgb: np.ndarray, patch: int, merge: int, temporal: int, mean: tup
     fill = partial(fill_image_rows, height=height, width=width, patch=patch, merge=merge, temporal=temporal,
                    mean=mean, std=std)
     grid = (1, height // patch, width // patch)
-    if workers is None:
-        rows = np.empty(shape, dtype=np.float32)
-        fill([rgb], rows, (0, height), lambda: False)
-        return rows, grid
     step = IMAGE_PART_UNITS * math.lcm(BLOCK, patch * merge)
     parts = [(top, min(top + step, height)) for top in range(0, height, step)]
-    return workers.fill(fill, [rgb], shape, parts, deadline or Deadline()), grid
+    run = workers.fill if workers is not None else fill_here
+    return run(fill, [rgb], shape, parts, deadline or Deadline()), grid

@@ -143,11 +143,10 @@ class PixelWorkers:
 
     def _in_threads(self, fill: Fill, inputs: Sequence[np.ndarray], shape: tuple[int, ...], parts: Sequence[Any],
                     deadline: Deadline, dtype: type) -> np.ndarray:
-        out = np.empty(shape, dtype=dtype)
         if len(parts) == 1:
-            fill(inputs, out, parts[0], deadline.expired)
-        else:
-            list(self.threads.map(lambda part: fill(inputs, out, part, deadline.expired), parts))
+            return fill_here(fill, inputs, shape, parts, deadline, dtype)
+        out = np.empty(shape, dtype=dtype)
+        list(self.threads.map(lambda part: fill(inputs, out, part, deadline.expired), parts))
         deadline.check()
         return out
 
@@ -186,6 +185,16 @@ class PixelWorkers:
                 return
             self._pool = None
         broken.shutdown(wait=False, cancel_futures=True)
+
+
+def fill_here(fill: Fill, inputs: Sequence[np.ndarray], shape: tuple[int, ...], parts: Sequence[Any],
+              deadline: Deadline, dtype: type = np.float32) -> np.ndarray:
+    """`PixelWorkers.fill` without workers: the parts one after the other in the calling thread."""
+    out = np.empty(shape, dtype=dtype)
+    for part in parts:
+        fill(inputs, out, part, deadline.expired)
+    deadline.check()
+    return out
 
 
 def _wait(futures: list[Future], deadline: Deadline) -> bool:

@@ -24,7 +24,7 @@ from ..image_transform import put_normalized, resize_bicubic, rows_shape
 from ..media_decode import MAX_IMAGE_PIXELS, decode_image
 from ..media_allowance import MediaAllowance, MediaBudget
 from ..media_fetch import MediaError, MediaTooLarge
-from ..pixel_workers import PixelWorkers
+from ..pixel_workers import PixelWorkers, fill_here
 from .frame_plan import Step, plan_reads, sequential_reads
 
 SAMPLE_FPS = 2
@@ -260,12 +260,9 @@ def qwen_video(frames: Sequence[np.ndarray], patch: int, merge: int, temporal: i
     fill = partial(fill_video_rows, height=height, width=width, patch=patch, merge=merge, temporal=temporal,
                    mean=mean, std=std)
     grid = (-(-len(frames) // temporal), height // patch, width // patch)
-    if workers is None:
-        rows = np.empty(shape, dtype=np.float32)
-        fill(frames, rows, (0, len(frames)), lambda: False)
-        return rows, grid
     parts = [(first, min(first + temporal, len(frames))) for first in range(0, len(frames), temporal)]
-    return workers.fill(fill, frames, shape, parts, deadline or Deadline()), grid
+    run = workers.fill if workers is not None else fill_here
+    return run(fill, frames, shape, parts, deadline or Deadline()), grid
 
 
 def timestamps(indices: tuple[int, ...], fps: float, temporal: int = 2) -> tuple[float, ...]:
