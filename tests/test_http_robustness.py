@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+import tracemalloc
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ import zstandard
 from systemone.cli import main as cli_main
 from systemone.server.app import ServerOptions, create_app
 from systemone.server.auth import is_loopback
+from systemone.server.body import parse_json
 from tests.live_server import live_server
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
@@ -54,6 +56,23 @@ def test_lone_surrogates_are_422_wherever_they_are(url):
         response = send(url, body.encode())
         assert_json_4xx(response, 422)
         assert response.json()["detail"][0]["type"] == "string_unicode"
+
+
+def test_checking_a_body_makes_no_object_per_value():
+    """Nesting and lone surrogates are checked without an object per value: with three each (the value, its
+    location, its index), a state of a million numbers took 160 MB more than reading it."""
+    state = [0] * 1_000_000 + [["x"] * 1000, {"k": [1.5] * 1000}]
+    raw = json.dumps({"state": state, "questions": {"q": NOUL}}).encode()
+    tracemalloc.start()
+    try:
+        json.loads(raw.decode())  # what reading it takes, the check aside
+        _, loads_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        parse_json(raw)
+        _, parse_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert parse_peak < loads_peak + (1 << 20), (parse_peak, loads_peak)
 
 
 def test_nesting_is_bounded(url):
