@@ -1,6 +1,7 @@
-"""Run as `python -m tests.memory_probe ARTIFACT BODY.json LIMIT_MB [ATTENTION_BUDGET]`: load the artifact, prepare the request (media
-fetched, decoded and preprocessed; prompts tokenized) and, when it is accepted, answer it; print one JSON line with
-the outcome, the seconds and the peak RSS increase over the loaded server's. RSS is sampled every 5 ms and the
+"""Run as `python -m tests.memory_probe ARTIFACT BODY.json LIMIT_MB [ATTENTION_BUDGET]`: load the artifact, read the
+body as the server does (server/body.py), prepare the request (media fetched, decoded and preprocessed; prompts
+tokenized) and, when it is accepted, answer it; print one JSON line with the outcome, the seconds and the peak RSS
+increase over the loaded server's. RSS is sampled every 5 ms and the
 process ends itself (exit 3) past LIMIT_MB, so a test of a memory bomb cannot take the machine down."""
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ def rss_mb() -> float:
 
 
 def main(artifact: str, body_path: str, limit_mb: float, attention_budget: int | None = None) -> None:
-    from systemone.models.errors import DecisionError
+    from systemone.models.errors import DecisionError, SchemaError
     from systemone.runtime.artifact import Artifact
     from systemone.runtime.engine import EngineOptions
     from systemone.runtime.media_fetch import FetchPolicy
     from systemone.runtime.service import DecisionService
+    from systemone.server.body import parse_json
     from systemone.server.errors import http_status
 
     options = EngineOptions(device="cpu", fetch_policy=FetchPolicy(allowed_local_path=Path(body_path).parent),
                             **({"attention_budget": attention_budget} if attention_budget else {}))
     service = DecisionService(Artifact.load(artifact), options)
-    body = json.loads(Path(body_path).read_text())
+    raw = Path(body_path).read_bytes()
     service.decide({"state": "warm", "questions": {"q": {"type": "noul", "instructions": "ok?"}}})
     base = rss_mb()
     peak = [base]
@@ -45,10 +47,12 @@ def main(artifact: str, body_path: str, limit_mb: float, attention_budget: int |
     threading.Thread(target=sample, daemon=True).start()
     start = time.monotonic()
     try:
-        service.decide(body)
+        service.decide(parse_json(raw))
         outcome = {"status": 200}
     except DecisionError as exc:
         outcome = {"status": http_status(exc)[0], "message": exc.message}
+    except SchemaError as exc:
+        outcome = {"status": 422, "message": str(exc)}
     outcome["seconds"] = time.monotonic() - start
     done.set()
     peak[0] = max(peak[0], rss_mb())

@@ -4,6 +4,9 @@ a refusal does not grow with the number of questions."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -39,3 +42,16 @@ def test_d1_a_state_over_the_limits_is_refused_after_one_question(d1_service):
     state = " ".join(f"w{i}" for i in range(100_000))
     message = refused_within(d1_service, {"state": state, "questions": QUESTIONS}, 3)
     assert "input tokens, which exceeds this limit" in message or "characters (more than" in message
+
+
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_a_json_state_of_3_million_numbers_is_refused_with_its_memory_bounded(request, tmp_path, family):
+    """Read as the server reads a body, then refused on its characters: its peak memory is the document and its
+    rendering, not an object per value (three each, about 480 MB, before; tests/memory_probe.py samples RSS)."""
+    artifact = request.getfixturevalue(f"{family}_artifact")
+    (tmp_path / "body.json").write_text(json.dumps({"state": [0] * 3_000_000, "questions": QUESTIONS}))
+    done = subprocess.run([sys.executable, "-m", "tests.memory_probe", str(artifact), str(tmp_path / "body.json"),
+                           "1500"], capture_output=True, text=True, timeout=300)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out.get("status") == 400 and "characters" in out["message"], out
+    assert out["peak_increase_mb"] < 250, out
