@@ -1,13 +1,14 @@
 """Run as `python -m tests.memory_probe ARTIFACT BODY.json LIMIT_MB [ATTENTION_BUDGET]`: load the artifact, read the
 body as the server does (server/body.py), prepare the request (media fetched, decoded and preprocessed; prompts
 tokenized) and, when it is accepted, answer it; print one JSON line with the outcome, the seconds and the peak RSS
-increase over the loaded server's. RSS is sampled every 5 ms and the
-process ends itself (exit 3) past LIMIT_MB, so a test of a memory bomb cannot take the machine down."""
+increase over the loaded server's. RSS is sampled every 5 ms and the process ends itself (exit 3) past LIMIT_MB, so
+a test of a memory bomb cannot take the machine down. Tests call `probe`."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -17,6 +18,18 @@ from pathlib import Path
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def probe(artifact: str | Path, body: dict, directory: Path, limit_mb: float,
+          attention_budget: int | None = None) -> dict:
+    """This probe in a subprocess on `body` (written to `directory`, where its local media may lie): its outcome."""
+    path = directory / "body.json"
+    path.write_text(json.dumps(body))
+    command = [sys.executable, "-m", "tests.memory_probe", str(artifact), str(path), str(limit_mb)]
+    done = subprocess.run(command + ([str(attention_budget)] if attention_budget else []), capture_output=True,
+                          text=True, timeout=300)
+    assert done.stdout.strip(), done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(artifact: str, body_path: str, limit_mb: float, attention_budget: int | None = None) -> None:

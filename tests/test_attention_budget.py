@@ -3,14 +3,11 @@ accepts stays, at its peak, within the budget (measured in an RSS-capped subproc
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 from systemone.models.errors import DecisionError
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
+from tests.memory_probe import probe
 
 BUDGET = 512 << 20
 
@@ -38,9 +35,6 @@ def test_the_longest_accepted_d3_prompts_stay_within_the_attention_budget(d3_art
     service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu", attention_budget=BUDGET))
     body, tokens = longest_body(service)
     assert tokens > service.max_model_len - 16
-    (tmp_path / "body.json").write_text(json.dumps(body))
-    done = subprocess.run([sys.executable, "-m", "tests.memory_probe", str(d3_artifact), str(tmp_path / "body.json"),
-                           str(2 * BUDGET >> 20), str(BUDGET)], capture_output=True, text=True, timeout=300)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = probe(d3_artifact, body, tmp_path, 2 * BUDGET >> 20, BUDGET)
     assert out.get("status") == 200, out
     assert out["peak_increase_mb"] <= BUDGET >> 20, out

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import subprocess
-import sys
 
 import pytest
 from PIL import Image
+
+from tests import memory_probe
 
 NOUL = {"q": {"type": "noul", "instructions": "Is it urgent?"}}
 LIMIT_MB = 1500  # the probe ends itself past this; the README's bound is 1 GB a request
@@ -26,12 +25,7 @@ def saved(image: Image.Image, fmt: str, **options) -> bytes:
 
 
 def probe(artifact, tmp_path, body) -> dict:
-    path = tmp_path / "body.json"
-    path.write_text(json.dumps(body))
-    done = subprocess.run([sys.executable, "-m", "tests.memory_probe", str(artifact), str(path), str(LIMIT_MB)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip(), done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return memory_probe.probe(artifact, body, tmp_path, LIMIT_MB)
 
 
 def as_url(tmp_path, name: str, data: bytes) -> str:

@@ -4,14 +4,12 @@ a refusal does not grow with the number of questions."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 from systemone.models.errors import DecisionError
+from tests.memory_probe import probe
 
 QUESTIONS = {f"q{i}": {"type": "noul", "instructions": f"Is it urgent? ({i})"} for i in range(64)}
 
@@ -49,9 +47,6 @@ def test_a_json_state_of_3_million_numbers_is_refused_with_its_memory_bounded(re
     """Read as the server reads a body, then refused on its characters: its peak memory is the document and its
     rendering, not an object per value (three each, about 480 MB, before; tests/memory_probe.py samples RSS)."""
     artifact = request.getfixturevalue(f"{family}_artifact")
-    (tmp_path / "body.json").write_text(json.dumps({"state": [0] * 3_000_000, "questions": QUESTIONS}))
-    done = subprocess.run([sys.executable, "-m", "tests.memory_probe", str(artifact), str(tmp_path / "body.json"),
-                           "1500"], capture_output=True, text=True, timeout=300)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = probe(artifact, {"state": [0] * 3_000_000, "questions": QUESTIONS}, tmp_path, 1500)
     assert out.get("status") == 400 and "characters" in out["message"], out
     assert out["peak_increase_mb"] < 250, out
