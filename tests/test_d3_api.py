@@ -3,15 +3,20 @@ option limits and checks (spec 2.3, 4.5, 6.4), prompt length (6.2), thinking (6.
 
 from __future__ import annotations
 
+import base64
+import re
 
 import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from systemone.server.app import create_app
+from scripts.vision_fixtures import fixture_image
 from tests.http_helpers import assert_error, post
+from tests.media_helpers import encoded
 
 SERVED = "vllm-sr/d3-tiny"
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
@@ -149,14 +154,6 @@ def test_one_option_choice_is_certain(client):
 def test_metrics_count_the_pixel_jobs_made_in_the_media_worker_processes(d3_service):
     """A video's pixel rows are made in the media worker processes (the session's service has one): /metrics counts
     the job there, and none run in threads for want of shared memory or a live worker."""
-    import base64
-    import re
-
-    from PIL import Image
-
-    from scripts.vision_fixtures import fixture_image
-    from tests.media_helpers import encoded
-
     def counter(text: str, name: str) -> int:
         return int(re.search(rf"^{name} (\d+)$", text, re.M).group(1))
 
