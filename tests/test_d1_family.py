@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -36,6 +37,12 @@ def ask(q) -> str:
 def test_state_rendering(state, text):
     """Spec 3.1: null -> "", strings as they are, anything else json.dumps(indent=2, ensure_ascii=False)."""
     assert FAMILY.render_state(state) == text
+
+
+def test_state_rendering_is_json_dumps_with_an_indent_of_two():
+    """Spec 3.1, on a state with every JSON kind, nesting, empty containers, escapes and non-ASCII text."""
+    state = {"a": [1, 2.5, -0.0, 1e300, None, True, {}, [], {"b": [[], [{}]]}], "é\n\"x\"": "\u2028 \t ß", "": {"c": ""}}
+    assert FAMILY.render_state(state) == json.dumps(state, ensure_ascii=False, indent=2)
 
 
 def test_empty_state_means_the_question_alone():
