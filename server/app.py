@@ -40,7 +40,7 @@ from .body import BodyTimeout, NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
 from .schema import ROUTE_DOCS, document_request_body
-from .parse_budget import ParseBudget
+from .parse_budget import ParseBudget, parsed_size_bound
 
 log = logging.getLogger("systemone.server")
 
@@ -58,7 +58,7 @@ class ServerOptions:
     max_body_bytes: int = 64 << 20
     log_requests: bool = False
     parse_workers: int = 4  # threads that decode bodies, check requests and tokenize (never wait on media)
-    max_parse_bytes: int = 64 << 20  # bodies being parsed and checked at once (server/parse_budget.py)
+    max_parse_bytes: int = 1 << 30  # memory that bodies being parsed may take at once (server/parse_budget.py)
     max_batch_rows: int | None = None  # rows a text-graph call; None: measured at start-up (runtime/batch_sizing.py)
     batch_wait_ms: float = 1.0  # how long a call that could take more rows waits for them
 
@@ -206,7 +206,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
                               "(--request-timeout)") from None
         loop = asyncio.get_running_loop()
         encoding = request.headers.get("content-encoding")
-        if encoding:  # inflated first (each at most the body cap), so the parse budget holds its real size
+        if encoding:  # inflated first (each at most the body cap), so the parse budget charges its real size
             raw = await loop.run_in_executor(parsing, decode_content, raw, encoding, options.max_body_bytes)
 
         def parse(raw: bytes):
@@ -225,7 +225,8 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media)
 
         try:
-            with parse_budget.hold(len(raw)):
+            bound = await loop.run_in_executor(parsing, parsed_size_bound, raw)  # ~0.15 s for 64 MiB
+            with parse_budget.hold(bound):
                 prepared = await watch(prepare(), deadline, request.is_disconnected)
 
             async def answer() -> dict[str, Any]:

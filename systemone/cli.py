@@ -373,8 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
                        help="largest request body, compressed or decompressed (413 over it)")
     serve.add_argument("--log-requests", action="store_true", help="log request bodies (they hold the state)")
-    serve.add_argument("--max-parse-bytes", type=int, default=64 << 20,
-                       help="bytes of request bodies parsed and checked at once (503 + Retry-After past it)")
+    serve.add_argument("--max-parse-bytes", type=int, default=1 << 30,
+                       help="memory that request bodies being parsed and checked may take at once, each body "
+                            "charged at an upper bound from its bytes (413 for a body over it, 503 + Retry-After "
+                            "while others hold it)")
     serve.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds a connection may take to send a request's headers (then it is closed)")
     serve.add_argument("--max-connections", type=int, default=1024,

@@ -1,0 +1,145 @@
+"""Parsing is admitted under a memory budget (README "Bounds under hostile load", --max-parse-bytes): each body is
+charged, before it is parsed, at an upper bound of what reading it holds; a body over the budget alone is a 413,
+one that would take the bodies being parsed past it a 503 + Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import subprocess
+import threading
+import time
+import tracemalloc
+
+import httpx
+import pytest
+
+from systemone.local_server import free_port, serve_command, start_server
+from systemone.server.app import ServerOptions
+from systemone.server.body import parse_json
+from systemone.server.parse_budget import parsed_size_bound
+from tests.live_server import live_server
+
+NOUL = {"type": "noul", "instructions": "Is it urgent?"}
+JSON_HEADERS = {"Content-Type": "application/json"}
+N = 50_000
+
+# The shapes that take most memory for their bytes, each kind of value after each kind of separator.
+SHAPES = {
+    "empty lists": "[" + ",".join(["[]"] * N) + "]",
+    "empty objects": "[" + ",".join(["{}"] * N) + "]",
+    "one-key objects": "[" + ",".join(['{"":0}'] * N) + "]",
+    "one-key objects, every key new": "[" + ",".join('{"%x":0}' % i for i in range(N)) + "]",
+    "two-key objects, every key new": "[" + ",".join('{"%x":0,"y%x":1}' % (i, i) for i in range(N)) + "]",
+    "six-key objects": "[" + ",".join(['{"a":0,"b":0,"c":0,"d":0,"e":0,"f":0}'] * N) + "]",
+    "an object of many keys": "{" + ",".join('"%x":0' % i for i in range(N)) + "}",
+    "an object of many keys to lists": "{" + ",".join('"%x":[]' % i for i in range(N)) + "}",
+    "an object of many keys to objects": "{" + ",".join('"%x":{}' % i for i in range(N)) + "}",
+    "one-item lists": "[" + ",".join(["[0]"] * N) + "]",
+    "lists of an empty list": "[" + ",".join(["[[]]"] * N) + "]",
+    "lists of an empty object": "[" + ",".join(["[{}]"] * N) + "]",
+    "one-item lists 250 levels down": "[" * 250 + ",".join(["[0]"] * N) + "]" * 250,
+    "250 levels": "[" * 250 + "]" * 250,
+    "zeros": "[" + ",".join(["0"] * N) + "]",
+    "18-digit integers": "[" + ",".join(str(10**17 + i) for i in range(N)) + "]",
+    "floats": "[" + ",".join(["1.5"] * N) + "]",
+    "two-letter strings": "[" + ",".join(['"ab"'] * N) + "]",
+    "strings with an emoji": json.dumps(["\U0001f600a"] * N, ensure_ascii=False),
+    "strings with an escaped emoji": json.dumps(["\U0001f600" + "a" * 20] * N),
+    "latin-1 strings": json.dumps(["\u00e9a"] * N, ensure_ascii=False),
+    "a long string": json.dumps("a" * (4 << 20)),
+    "a long string with an emoji": json.dumps("\U0001f600" + "a" * (4 << 20), ensure_ascii=False),
+    "a long string with an escaped emoji": json.dumps("\U0001f600" + "a" * (4 << 20)),
+}
+
+
+@pytest.mark.parametrize("text", SHAPES.values(), ids=SHAPES.keys())
+def test_a_body_is_charged_at_least_what_reading_it_takes(text):
+    """The bytes themselves, plus every allocation of parsing and checking them at its peak (tracemalloc)."""
+    raw = text.encode()
+    tracemalloc.start()
+    try:
+        parse_json(raw)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(raw) + peak <= parsed_size_bound(raw), (len(raw), peak, parsed_size_bound(raw))
+
+
+def test_an_image_sent_inline_is_charged_about_three_times_its_bytes():
+    """Bytes, decoded text, the parsed string: a 1024x1024 photo as base64 is not refused for its structure."""
+    url = "data:image/jpeg;base64," + base64.b64encode(os.urandom(3 << 20)).decode()
+    raw = json.dumps({"state": "x", "images": [url], "questions": {"q": NOUL}}).encode()
+    assert parsed_size_bound(raw) < 3 * len(raw) + (1 << 20)
+
+
+def test_a_body_over_the_budget_is_413_and_bodies_past_it_together_are_503(d3_service):
+    """6 million zeros (18 MB) are charged about 534 MB: alone over a 400 MiB budget; two at once over 800 MiB."""
+    big = json.dumps({"state": [0] * 6_000_000, "questions": {"q": NOUL}}).encode()
+    assert 500 << 20 < parsed_size_bound(big) < 600 << 20
+
+    def statuses(max_parse_bytes: int, clients: int) -> list[httpx.Response]:
+        options = ServerOptions(max_body_bytes=32 << 20, max_parse_bytes=max_parse_bytes, request_timeout_s=120)
+        with live_server(d3_service, options) as base:
+            async def scenario():
+                async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+                    return await asyncio.gather(*[client.post("/v1/systemone", content=big, headers=JSON_HEADERS)
+                                                  for _ in range(clients)])
+            return asyncio.run(scenario())
+
+    (alone,) = statuses(400 << 20, 1)
+    assert alone.status_code == 413 and "--max-parse-bytes" in alone.json()["error"]["message"], alone.text
+    answers = statuses(800 << 20, 4)
+    codes = sorted(r.status_code for r in answers)
+    assert 503 in codes and set(codes) <= {400, 503}, codes  # 400: the state is longer than the model reads
+    busy = next(r for r in answers if r.status_code == 503)
+    assert "--max-parse-bytes" in busy.json()["error"]["message"] and busy.headers["Retry-After"] == "1"
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_four_large_bodies_at_once_stay_within_the_default_budget(d3_artifact):
+    """Issue 11 finding 6 at the default flags: four 16 MiB bodies of one-item lists (about 25 times their bytes
+    once read) sent at once. Charged at bytes, all four were parsed together (over 1.5 GB); charged at their
+    bound, one at a time (the others 503), and the server's RSS rises by less than the 1 GiB budget."""
+    body = json.dumps({"state": [[0]] * (4 << 20), "questions": {"q": NOUL}}, separators=(",", ":")).encode()
+    assert 16 << 20 < len(body) < 17 << 20
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(serve_command(d3_artifact, port), base, 120, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
+    try:
+        assert httpx.post(base + "/v1/systemone", json={"state": "x", "questions": {"q": NOUL}},
+                          timeout=60).status_code == 200
+        start = rss_mb(server.pid)
+        peak = [start]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.005):
+                peak[0] = max(peak[0], rss_mb(server.pid))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+                return await asyncio.gather(*[client.post("/v1/systemone", content=body, headers=JSON_HEADERS)
+                                              for _ in range(4)])
+        try:
+            answers = asyncio.run(scenario())
+            time.sleep(0.2)
+        finally:
+            done.set()
+            sampler.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    codes = sorted(r.status_code for r in answers)
+    assert codes[0] == 400 and set(codes) <= {400, 503}, codes
+    assert peak[0] - start < 1024, (peak[0] - start, codes)
