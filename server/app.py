@@ -40,7 +40,7 @@ from .body import BodyTimeout, NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
 from .schema import ROUTE_DOCS, document_request_body
-from .parse_budget import ParseBudget, parsed_size_bound
+from .body_memory import BodyMemory, parsed_size_bound
 
 log = logging.getLogger("systemone.server")
 
@@ -58,7 +58,7 @@ class ServerOptions:
     max_body_bytes: int = 64 << 20
     log_requests: bool = False
     parse_workers: int = 4  # threads that decode bodies, check requests and tokenize (never wait on media)
-    max_parse_bytes: int = 1 << 30  # memory that bodies being parsed may take at once (server/parse_budget.py)
+    max_body_memory: int = 1 << 30  # what bodies may hold before admission (server/body_memory.py)
     max_batch_rows: int | None = None  # rows a text-graph call; None: measured at start-up (runtime/batch_sizing.py)
     batch_wait_ms: float = 1.0  # how long a call that could take more rows waits for them
 
@@ -104,7 +104,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     app = FastAPI(title="systemone-onnx", version="0.1.0", lifespan=lifespan, **docs)
     admission = Admission(options.max_concurrency, options.max_queue)
     parsing = ThreadPoolExecutor(options.parse_workers, thread_name_prefix="systemone-parse")
-    parse_budget = ParseBudget(options.max_parse_bytes)
+    body_memory = BodyMemory(options.max_body_memory)
     metrics = Metrics()
     started = int(time.time())
     release_date = service.artifact.manifest.exported_at[:10]
@@ -198,16 +198,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
         if "content-length" in request.headers and "transfer-encoding" in request.headers:
             raise DecisionError("a request may not carry both Content-Length and Transfer-Encoding")
         deadline = Deadline(options.request_timeout_s)
-        try:  # the body is under the request's deadline too: a client that drips its body is cut off
-            raw = await asyncio.wait_for(read_capped(request.stream(), request.headers.get("content-length"),
-                                                     options.max_body_bytes), deadline.timeout())
-        except asyncio.TimeoutError:
-            raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s "
-                              "(--request-timeout)") from None
         loop = asyncio.get_running_loop()
-        encoding = request.headers.get("content-encoding")
-        if encoding:  # inflated first (each at most the body cap), so the parse budget charges its real size
-            raw = await loop.run_in_executor(parsing, decode_content, raw, encoding, options.max_body_bytes)
 
         def parse(raw: bytes):
             body = parse_json(raw)
@@ -215,7 +206,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
                 log.info("request %s body %s", request_id or "-", json.dumps(body, ensure_ascii=False)[:10000])
             return service.validate(body)
 
-        async def prepare() -> Prepared:
+        async def prepare(raw: bytes) -> Prepared:
             # Every check runs here (media read, prompts and labels included), before the request takes a slot.
             # Parsing threads never wait on media: the media pool's jobs are awaited on the event loop.
             checked, questions = await loop.run_in_executor(parsing, parse, raw)
@@ -225,9 +216,20 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media)
 
         try:
-            bound = await loop.run_in_executor(parsing, parsed_size_bound, raw)  # ~0.15 s for 64 MiB
-            with parse_budget.hold(bound):
-                prepared = await watch(prepare(), deadline, request.is_disconnected)
+            with body_memory.charge() as charge:  # what the body holds, from its first byte until it is prepared
+                try:  # the body is under the request's deadline too: a client that drips its body is cut off
+                    raw = await asyncio.wait_for(read_capped(request.stream(), request.headers.get("content-length"),
+                                                             options.max_body_bytes, charge.at_least),
+                                                 deadline.timeout())
+                except asyncio.TimeoutError:
+                    raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s "
+                                      "(--request-timeout)") from None
+                encoding = request.headers.get("content-encoding")
+                if encoding:  # inflated first (at most the body cap), so the body is charged at its real size
+                    charge.at_least(len(raw) + options.max_body_bytes)
+                    raw = await loop.run_in_executor(parsing, decode_content, raw, encoding, options.max_body_bytes)
+                charge.set(await loop.run_in_executor(parsing, parsed_size_bound, raw), parsing=True)  # ~0.15 s/64 MiB
+                prepared = await watch(prepare(raw), deadline, request.is_disconnected)
 
             async def answer() -> dict[str, Any]:
                 readouts = await asyncio.wrap_future(scheduler.submit(prepared, deadline))

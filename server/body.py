@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import zstandard
@@ -38,19 +38,24 @@ class BodyEncoding(UnsupportedEncoding):
         super().__init__(f"Content-Encoding {encoding!r} is not supported; use one of zstd, gzip, identity")
 
 
-async def read_capped(chunks: AsyncIterator[bytes], declared: str | None, limit: int) -> bytes:
-    """The raw body, refusing more than `limit` bytes (by Content-Length first, then as it streams in)."""
+async def read_capped(chunks: AsyncIterator[bytes], declared: str | None, limit: int,
+                      reserve: Callable[[int], None]) -> bytes:
+    """The raw body, refusing more than `limit` bytes (by Content-Length first, then as it streams in). `reserve` is
+    told the bytes the body will hold before they are kept: its declared length, then its size as it grows."""
     if declared is not None:
         try:
-            if int(declared) > limit:
-                raise BodyTooLarge(limit)
+            size = int(declared)
         except ValueError:
             raise DecisionError("Content-Length is not a number") from None
+        if size > limit:
+            raise BodyTooLarge(limit)
+        reserve(size)
     parts, size = [], 0
     async for chunk in chunks:
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(limit)
+        reserve(size)
         parts.append(chunk)
     return b"".join(parts)
 

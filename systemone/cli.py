@@ -114,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                            log_requests=args.log_requests, max_parse_bytes=args.max_parse_bytes,
+                            log_requests=args.log_requests, max_body_memory=args.max_body_memory,
                             max_batch_rows=args.max_batch_rows, batch_wait_ms=args.batch_wait_ms)
     # uvicorn's "trace" is below DEBUG and unknown to logging.basicConfig
     level = 5 if args.log_level == "trace" else args.log_level.upper()
@@ -373,9 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
                        help="largest request body, compressed or decompressed (413 over it)")
     serve.add_argument("--log-requests", action="store_true", help="log request bodies (they hold the state)")
-    serve.add_argument("--max-parse-bytes", type=int, default=1 << 30,
-                       help="memory that request bodies being parsed and checked may take at once, each body "
-                            "charged at an upper bound from its bytes (413 for a body over it, 503 + Retry-After "
+    serve.add_argument("--max-body-memory", type=int, default=1 << 30,
+                       help="bytes that request bodies may hold before admission: received bytes, then an upper "
+                            "bound of what parsing each takes (413 for a body over it alone, 503 + Retry-After "
                             "while others hold it)")
     serve.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds a connection may take to send a request's headers (then it is closed)")

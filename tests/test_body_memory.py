@@ -1,6 +1,7 @@
-"""Parsing is admitted under a memory budget (README "Bounds under hostile load", --max-parse-bytes): each body is
-charged, before it is parsed, at an upper bound of what reading it holds; a body over the budget alone is a 413,
-one that would take the bodies being parsed past it a 503 + Retry-After."""
+"""What request bodies hold before admission is under one budget (README "Bounds under hostile load",
+--max-body-memory): a body is charged its bytes as they arrive, then, before it is parsed, an upper bound of what
+reading it holds; a body over the budget alone is a 413, one that would take the bodies held past it a 503 +
+Retry-After."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import base64
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -19,7 +21,7 @@ import pytest
 from systemone.local_server import free_port, serve_command, start_server
 from systemone.server.app import ServerOptions
 from systemone.server.body import parse_json
-from systemone.server.parse_budget import parsed_size_bound
+from systemone.server.body_memory import parsed_size_bound
 from tests.live_server import live_server
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
@@ -80,8 +82,8 @@ def test_a_body_over_the_budget_is_413_and_bodies_past_it_together_are_503(d3_se
     big = json.dumps({"state": [0] * 6_000_000, "questions": {"q": NOUL}}).encode()
     assert 500 << 20 < parsed_size_bound(big) < 600 << 20
 
-    def statuses(max_parse_bytes: int, clients: int) -> list[httpx.Response]:
-        options = ServerOptions(max_body_bytes=32 << 20, max_parse_bytes=max_parse_bytes, request_timeout_s=120)
+    def statuses(max_body_memory: int, clients: int) -> list[httpx.Response]:
+        options = ServerOptions(max_body_bytes=32 << 20, max_body_memory=max_body_memory, request_timeout_s=120)
         with live_server(d3_service, options) as base:
             async def scenario():
                 async with httpx.AsyncClient(base_url=base, timeout=120) as client:
@@ -90,12 +92,12 @@ def test_a_body_over_the_budget_is_413_and_bodies_past_it_together_are_503(d3_se
             return asyncio.run(scenario())
 
     (alone,) = statuses(400 << 20, 1)
-    assert alone.status_code == 413 and "--max-parse-bytes" in alone.json()["error"]["message"], alone.text
+    assert alone.status_code == 413 and "--max-body-memory" in alone.json()["error"]["message"], alone.text
     answers = statuses(800 << 20, 4)
     codes = sorted(r.status_code for r in answers)
     assert 503 in codes and set(codes) <= {400, 503}, codes  # 400: the state is longer than the model reads
     busy = next(r for r in answers if r.status_code == 503)
-    assert "--max-parse-bytes" in busy.json()["error"]["message"] and busy.headers["Retry-After"] == "1"
+    assert "--max-body-memory" in busy.json()["error"]["message"] and busy.headers["Retry-After"] == "1"
 
 
 def rss_mb(pid: int) -> float:
@@ -105,8 +107,8 @@ def rss_mb(pid: int) -> float:
 
 def test_four_large_bodies_at_once_stay_within_the_default_budget(d3_artifact):
     """Issue 11 finding 6 at the default flags: four 16 MiB bodies of one-item lists (about 25 times their bytes
-    once read) sent at once. Charged at bytes, all four were parsed together (over 1.5 GB); charged at their
-    bound, one at a time (the others 503), and the server's RSS rises by less than the 1 GiB budget."""
+    once read) sent at once. Charged at their bytes (a 64 MiB budget then), all four were parsed together, RSS up
+    1.85 GB; charged at their bound, one at a time (the others 503), and RSS rises by less than the 1 GiB budget."""
     body = json.dumps({"state": [[0]] * (4 << 20), "questions": {"q": NOUL}}, separators=(",", ":")).encode()
     assert 16 << 20 < len(body) < 17 << 20
     port = free_port()
@@ -143,3 +145,68 @@ def test_four_large_bodies_at_once_stay_within_the_default_budget(d3_artifact):
     codes = sorted(r.status_code for r in answers)
     assert codes[0] == 400 and set(codes) <= {400, 503}, codes
     assert peak[0] - start < 1024, (peak[0] - start, codes)
+
+
+def send_part(port: int, declared: int, part: bytes) -> socket.socket:
+    """A connection that declares a body of `declared` bytes and sends only `part` of it."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % declared + part)
+    return s
+
+
+def response_to(sock: socket.socket) -> bytes:
+    """The whole response the server sends on `sock` (which it closes after), within 5 s."""
+    sock.settimeout(5)
+    data = b""
+    with sock:
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                data.lower().partition(b"content-length: ")[2].split(b"\r\n")[0] or 0):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def test_uploads_that_stall_hold_the_budget_and_the_next_is_503_at_once(d3_service):
+    """Issue 11 finding 7: stalled 60 MB uploads each held their bytes until the deadline. A body is charged its
+    declared length when its headers arrive: with 6 of 8 MiB held by two stalled uploads, a third declaring 3 MiB
+    is a 503 before it has sent its body, and one declaring more than 8 MiB is a 413; once the stalled ones leave,
+    their memory is free again."""
+    options = ServerOptions(max_body_bytes=16 << 20, max_body_memory=8 << 20, request_timeout_s=30)
+    with live_server(d3_service, options) as base:
+        port = int(base.rsplit(":", 1)[1])
+        stalled = [send_part(port, 3 << 20, b'{"state": "' + b"x" * (1 << 20)) for _ in range(2)]
+        time.sleep(0.5)
+        busy, too_large = (response_to(send_part(port, declared, b"")) for declared in (3 << 20, 9 << 20))
+        assert busy.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in busy.lower(), busy[:400]
+        assert too_large.startswith(b"HTTP/1.1 413"), too_large[:400]
+        assert b"--max-body-memory" in busy and b"--max-body-memory" in too_large
+        for s in stalled:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:  # the server frees a charge when it sees its client gone
+            answer = httpx.post(base + "/v1/systemone", timeout=30, headers=JSON_HEADERS,
+                                content=json.dumps({"state": "x" * (2 << 20), "questions": {"q": NOUL}}).encode())
+            if answer.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert answer.status_code in (200, 400), answer.text[:300]
+
+
+def test_a_chunked_upload_is_charged_as_it_grows(d3_service):
+    """Without a Content-Length the body is charged as its chunks arrive: past a 2 MiB budget it is a 413 before
+    the rest is read."""
+    options = ServerOptions(max_body_bytes=16 << 20, max_body_memory=2 << 20, request_timeout_s=30)
+    with live_server(d3_service, options) as base:
+
+        def chunks():
+            yield b'{"state": "'
+            for _ in range(3):
+                yield b"x" * (1 << 20)
+                time.sleep(0.2)
+            yield b'", "questions": {"q": {"type": "noul"}}}'
+
+        answer = httpx.post(base + "/v1/systemone", content=chunks(), headers=JSON_HEADERS, timeout=30)
+    assert answer.status_code == 413 and "--max-body-memory" in answer.text, answer.text[:300]
