@@ -123,7 +123,8 @@ class D3Family(Family):
         return OPTION_TEXTS[question.type](question)
 
     # -- prompt (spec 4.4, 4.6) ------------------------------------------------------------------------------
-    def render_state(self, state: Any) -> str:
+    def render_state(self, state: Any, max_chars: int | None = None) -> str:
+        # Compact JSON is about as long as the request's own bytes, so it is made and the prompt checked after.
         if state is None or state == "":
             return EMPTY_STATE
         if isinstance(state, str):

@@ -21,6 +21,14 @@ from .request import DecisionRequest
 Encode = Callable[[str], Sequence[int]]
 
 
+class StateTooLong(Exception):
+    """The state's text would have `length` characters, more than the prompt can hold: it was not made."""
+
+    def __init__(self, length: int):
+        super().__init__(length)
+        self.length = length
+
+
 @dataclass(frozen=True)
 class Labels:
     """One question's output slots per option, in option order (d1: label token ids, several forms an option;
@@ -70,8 +78,9 @@ class Family(ABC):
         """The family's own checks that run before any media is fetched (spec 1.3 step 8)."""
 
     @abstractmethod
-    def render_state(self, state: Any) -> str:
-        """The state as the prompt shows it."""
+    def render_state(self, state: Any, max_chars: int | None = None) -> str:
+        """The state as the prompt shows it. A family whose text can be much longer than the request's own bytes
+        raises StateTooLong, with the length, rather than making a text of more than `max_chars` characters."""
 
     @abstractmethod
     def messages(self, request: DecisionRequest, question: Question, state_text: str) -> list[dict[str, Any]]:

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from systemone.models.d1 import ASKED, D1Family, codes
+from systemone.models.d1 import ASKED, D1Family, codes, indented_json_length
 from systemone.models.errors import DecisionError
-from systemone.models.family import Labels, Readout
+from systemone.models.family import Labels, Readout, StateTooLong
 from systemone.models.questions import parse_questions
 from systemone.models.request import parse_request
 from systemone.runtime.tokenizer import PromptTokenizer
@@ -43,6 +43,23 @@ def test_state_rendering_is_json_dumps_with_an_indent_of_two():
     """Spec 3.1, on a state with every JSON kind, nesting, empty containers, escapes and non-ASCII text."""
     state = {"a": [1, 2.5, -0.0, 1e300, None, True, {}, [], {"b": [[], [{}]]}], "é\n\"x\"": "\u2028 \t ß", "": {"c": ""}}
     assert FAMILY.render_state(state) == json.dumps(state, ensure_ascii=False, indent=2)
+
+
+@pytest.mark.parametrize("state", [0, "x", [], {}, [[]], [{}], {"a": []}, [1, [2, [3, {"k": [None, True]}]]],
+                                   {"é": {"ß": ["\u2028", 1.5, -0.0]}, "": [[[[]]]]}, [[0]] * 3,
+                                   json.loads("[" * 300 + "0" + "]" * 300)])
+def test_the_length_of_a_state_is_known_without_rendering_it(state):
+    assert indented_json_length(state) == len(json.dumps(state, ensure_ascii=False, indent=2))
+
+
+def test_a_state_longer_than_asked_is_not_rendered():
+    """Two spaces a level: 1,000 one-item lists 100 levels down are about 200 characters each once indented."""
+    state = json.loads("[" * 100 + ",".join(["[0]"] * 1000) + "]" * 100)
+    length = len(json.dumps(state, ensure_ascii=False, indent=2))
+    with pytest.raises(StateTooLong) as info:
+        FAMILY.render_state(state, max_chars=length - 1)
+    assert info.value.length == length > 200_000
+    assert FAMILY.render_state(state, max_chars=length) == json.dumps(state, ensure_ascii=False, indent=2)
 
 
 def test_empty_state_means_the_question_alone():

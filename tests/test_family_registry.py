@@ -46,7 +46,7 @@ class ToyFamily(Family):
     def check_request(self, request: DecisionRequest, questions: list[Question]) -> None:
         pass
 
-    def render_state(self, state: Any) -> str:
+    def render_state(self, state: Any, max_chars: int | None = None) -> str:
         return json.dumps(state)
 
     def messages(self, request: DecisionRequest, question: Question, state_text: str) -> list[dict[str, Any]]:

@@ -4,11 +4,14 @@ a refusal does not grow with the number of questions."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 
 import pytest
 
 from systemone.models.errors import DecisionError
+from systemone.runtime.prompt import render_texts
 from tests.memory_probe import probe
 
 QUESTIONS = {f"q{i}": {"type": "noul", "instructions": f"Is it urgent? ({i})"} for i in range(64)}
@@ -52,3 +55,23 @@ def test_a_json_state_of_3_million_numbers_is_refused_with_its_memory_bounded(re
     out = probe(artifact, {"state": [0] * 3_000_000, "questions": QUESTIONS}, tmp_path, 1500)
     assert out.get("status") == 400 and "characters" in out["message"], out
     assert out["peak_increase_mb"] < 150, out
+
+
+def deep(items: int) -> list:
+    """`items` one-item lists 250 levels down: indented two spaces a level, about 1,500 characters each."""
+    return json.loads("[" * 250 + ",".join(["[0]"] * items) + "]" * 250)
+
+
+def test_d1_a_deeply_nested_state_is_refused_on_its_length_without_being_rendered(d1_service, d1_artifact, tmp_path):
+    """d1 shows a JSON state indented (spec 3.1), so a state's text can be hundreds of times its bytes. Its length
+    is worked out first, and the refusal names the number of characters rendering it gives. 200,000 lists (an
+    800 KB body, 302 million characters) took 7.7 s and 314 MB before, when the text was made."""
+    body = {"state": deep(20_000), "questions": QUESTIONS}
+    request, questions = d1_service.validate(body)
+    engine = d1_service.engine
+    made = len(render_texts(engine.artifact.template, engine.family, request, questions[:1])[0])
+    message = refused_within(d1_service, body, 3)
+    assert f"your prompt contains {made} characters" in message, message
+    out = probe(d1_artifact, {"state": deep(200_000), "questions": QUESTIONS}, tmp_path, 1500)
+    assert out.get("status") == 400 and int(re.search(r"contains (\d+) characters", out["message"])[1]) > 3e8, out
+    assert out["peak_increase_mb"] < 100 and out["seconds"] < 3, out

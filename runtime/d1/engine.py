@@ -108,14 +108,14 @@ class D1Engine(Engine):
 
     # -- prompts (spec 3.3, 3.4, 3.8, 3.9, 3.5) --------------------------------------------------------------
 
-    def _check_characters(self, text: str) -> None:
+    def _check_characters(self, length: int) -> None:
         m = self.max_model_len
-        if len(text) > m * self.max_chars_per_token:
+        if length > m * self.max_chars_per_token:
             raise DecisionError(
-                f"This model's maximum context length is {m} tokens. However, your prompt contains {len(text)} "
+                f"This model's maximum context length is {m} tokens. However, your prompt contains {length} "
                 f"characters (more than {m * self.max_chars_per_token} characters, which is the upper bound for {m} "
                 f"input tokens). Please reduce the length of the input prompt. (parameter=input_text, "
-                f"value={len(text)})", param="input_text")
+                f"value={length})", param="input_text")
 
     def _check_tokens(self, count: int) -> None:
         m = self.max_model_len
@@ -129,7 +129,7 @@ class D1Engine(Engine):
 
     def _check_length(self, question: Question, text: str, ids: list[int], expanded: int) -> None:
         """Spec 3.9: characters, then text tokens, then the prompt with its images expanded."""
-        self._check_characters(text)
+        self._check_characters(len(text))
         self._check_tokens(len(ids))
         m = self.max_model_len
         if expanded > m:
@@ -153,13 +153,14 @@ class D1Engine(Engine):
         first: list[int] = []
 
         def check_first(question: Question, text: str) -> None:
-            # Spec 3.9's first two rules on the first prompt alone, before any other is rendered or tokenized:
-            # every prompt holds the state, so a state too long for the model costs one copy and one tokenization.
-            self._check_characters(text)
+            # Spec 3.9's second rule on the first prompt alone (render_texts checked its characters), before any
+            # other is rendered or tokenized: a state too long for the model costs one copy and one tokenization.
             first.extend(self.tokenizer.encode(text))
             self._check_tokens(len(first))
 
-        texts = render_texts(self.artifact.template, self.family, request, questions, check_first)
+        texts = render_texts(self.artifact.template, self.family, request, questions,
+                             lambda question, length: self._check_characters(length),
+                             self.max_model_len * self.max_chars_per_token, check_first)
         prompts = []
         count = len(request.images or ())
         for question, text, ids in zip(questions, texts, [first, *self.tokenizer.encode_batch(texts[1:])]):

@@ -62,18 +62,19 @@ class D3Engine(Engine):
             raise DecisionError(f"question {question.id!r}: the prompt has {n} tokens, more than "
                                 f"max_model_len={self.max_model_len}; nothing is truncated")
 
-    def _check_characters(self, question: Question, text: str) -> None:
+    def _check_characters(self, question: Question, length: int) -> None:
         """A prompt with more characters than max_model_len tokens can hold (each token is at most the longest
         vocabulary entry) is refused before it is tokenized: tokenizing megabytes costs seconds and gigabytes."""
         most = self.max_model_len * self.max_chars_per_token
-        if len(text) > most:
-            raise DecisionError(f"question {question.id!r}: the prompt has {len(text)} characters, more than the "
+        if length > most:
+            raise DecisionError(f"question {question.id!r}: the prompt has {length} characters, more than the "
                                 f"{most} that max_model_len={self.max_model_len} tokens can hold; nothing is "
                                 "truncated")
 
     def prepare(self, request: DecisionRequest, questions: list[Question],
                 media: LoadedMedia[Preprocessed] | None = None) -> Prepared:
-        texts = render_texts(self.artifact.template, self.family, request, questions, self._check_characters)
+        texts = render_texts(self.artifact.template, self.family, request, questions, self._check_characters,
+                             self.max_model_len * self.max_chars_per_token)
         tokenizer = self.artifact.tokenizer
         # The first prompt is tokenized and checked alone: every prompt holds the state, so one too long for the
         # model is refused before the others are tokenized (spec 4.12 names the first question that fails).
