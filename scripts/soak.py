@@ -92,12 +92,18 @@ def attacks(port: int, media: Path, drip_url: str) -> dict[str, object]:
         "many_questions": {"state": " ".join(f"w{i}" for i in range(60_000)),
                            "questions": {f"q{i}": NOUL for i in range(64)}},
         "huge_array": {"state": [0] * 3_000_000, "questions": q},
+        # 800 KB; d1 would show it indented as 302 million characters
+        "deep_lists": ('{"state": ' + "[" * 250 + ",".join(["[0]"] * 200_000) + "]" * 250
+                       + ', "questions": {"q": {"type": "noul"}}}').encode(),
         "good_image": {"state": "x", "images": [f"file://{media}/photo.png"], "questions": q},
         "malformed": b'{"state": ',
         "gzip_trailing": ("gzip", gzip.compress(json.dumps(GOOD).encode()) + b"junk"),
         "aborted_upload": lambda: raw(port, b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: "
                                             b"application/json\r\nContent-Length: 100000\r\n\r\n{\"state\": "),
         "slowloris": lambda: raw(port, b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n", wait_s=2.0),
+        "stalled_upload": lambda: raw(port, b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                            b"application/json\r\nContent-Length: 60000000\r\n\r\n{\"state\": \""
+                                            + b"x" * (1 << 20), wait_s=5.0),
     }
 
 
