@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from systemone.local_server import free_port, serve_command, start_server
+from systemone.local_server import free_port, rss_mb, serve_command, start_server
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = {"state": {"ticket": "printer on fire", "priority": "high"},
@@ -105,14 +105,6 @@ def attacks(port: int, media: Path, drip_url: str) -> dict[str, object]:
                                             b"application/json\r\nContent-Length: 60000000\r\n\r\n{\"state\": \""
                                             + b"x" * (1 << 20), wait_s=5.0),
     }
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def percentile(values: list[float], p: float) -> float:

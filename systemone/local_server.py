@@ -1,10 +1,11 @@
 """`systemone serve` in a subprocess on a loopback port, returned once `GET /health` answers: how the load, soak
-and concurrency scripts and the tests that need a real server process start one. Standard library only, as
+and concurrency scripts and the tests that need a real server process start one (and read its RSS). Standard library only, as
 `loadgen.py` (the lent GPU machine has no httpx).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -26,6 +27,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rss_mb(pid: int | str = "self") -> float:
+    """The resident memory of process `pid` (this one by default), in MiB."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def serve_command(artifact: str | Path, port: int, *flags: str) -> list[str]:

@@ -13,6 +13,11 @@ from systemone.runtime.service import DecisionService
 from systemone.server.app import ServerOptions, create_app
 
 
+def port_of(base: str) -> int:
+    """The port of a base URL such as `live_server` yields."""
+    return int(base.rsplit(":", 1)[1])
+
+
 @contextmanager
 def live_server(service: DecisionService, options: ServerOptions | None = None, **uvicorn_options):
     """Yield the base URL of a server answering with `service`; stop it (gracefully) on exit."""

@@ -14,10 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+from systemone.local_server import rss_mb
 
 
 def probe(artifact: str | Path, body: dict, directory: Path, limit_mb: float,

@@ -18,11 +18,11 @@ import tracemalloc
 import httpx
 import pytest
 
-from systemone.local_server import free_port, serve_command, start_server
+from systemone.local_server import free_port, rss_mb, serve_command, start_server
 from systemone.server.app import ServerOptions
 from systemone.server.body import parse_json
 from systemone.server.body_memory import parsed_size_bound
-from tests.live_server import live_server
+from tests.live_server import live_server, port_of
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -100,11 +100,6 @@ def test_a_body_over_the_budget_is_413_and_bodies_past_it_together_are_503(d3_se
     assert "--max-body-memory" in busy.json()["error"]["message"] and busy.headers["Retry-After"] == "1"
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def test_four_large_bodies_at_once_stay_within_the_default_budget(d3_artifact):
     """Issue 11 finding 6 at the default flags: four 16 MiB bodies of one-item lists (about 25 times their bytes
     once read) sent at once. Charged at their bytes (a 64 MiB budget then), all four were parsed together, RSS up
@@ -176,7 +171,7 @@ def test_uploads_that_stall_hold_the_budget_and_the_next_is_503_at_once(d3_servi
     their memory is free again."""
     options = ServerOptions(max_body_bytes=16 << 20, max_body_memory=8 << 20, request_timeout_s=30)
     with live_server(d3_service, options) as base:
-        port = int(base.rsplit(":", 1)[1])
+        port = port_of(base)
         stalled = [send_part(port, 3 << 20, b'{"state": "' + b"x" * (1 << 20)) for _ in range(2)]
         time.sleep(0.5)
         busy, too_large = (response_to(send_part(port, declared, b"")) for declared in (3 << 20, 9 << 20))

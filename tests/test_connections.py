@@ -14,15 +14,11 @@ import httpx
 from systemone.local_server import free_port, serve_command, start_server
 from systemone.server.app import ServerOptions
 from systemone.server.connections import guarded_protocol
-from tests.live_server import live_server
+from tests.live_server import live_server, port_of
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = json.dumps({"state": "x", "questions": {"q": NOUL}}).encode()
 JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-def port_of(base: str) -> int:
-    return int(base.rsplit(":", 1)[1])
 
 
 def closed_by_server_within(sock: socket.socket, seconds: float) -> bool:

@@ -19,7 +19,7 @@ from systemone.cli import main as cli_main
 from systemone.server.app import ServerOptions, create_app
 from systemone.server.auth import is_loopback
 from systemone.server.body import parse_json
-from tests.live_server import live_server
+from tests.live_server import live_server, port_of
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = json.dumps({"state": "x", "questions": {"q": NOUL}}).encode()
@@ -307,7 +307,7 @@ def test_a_client_that_aborts_its_upload_is_counted_not_logged_as_an_error(d3_se
     import socket
 
     with live_server(d3_service) as base:
-        port = int(base.rsplit(":", 1)[1])
+        port = port_of(base)
         for _ in range(2):
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
