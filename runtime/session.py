@@ -6,6 +6,8 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import os
+
 import numpy as np
 import onnxruntime as ort
 
@@ -41,6 +43,18 @@ def provider_options(provider: str, gpu_memory: int | None, capture: bool = Fals
     return options
 
 
+# onnxruntime's CUDA provider reads this once a process, at its first fp16 matrix product; bit 0x02 forbids cuBLAS to
+# reduce split-K partial sums in fp16. Left to cuBLAS, the reduction's precision follows the product's shape, so a
+# question's answer moved with the rows it shared a call with (docs/gpu.md, "Sixth run").
+GEMM_OPTIONS = "ORT_CUDA_GEMM_OPTIONS"
+FP32_REDUCTIONS = "2"
+
+
+def reduce_products_in_fp32(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Before the first CUDA session: fp16 products reduce in fp32, unless the user set the variable."""
+    environ.setdefault(GEMM_OPTIONS, FP32_REDUCTIONS)
+
+
 # How onnxruntime words an arena that cannot grow (the BFC arena at --gpu-memory, or the device itself).
 _MEMORY_ERRORS = ("Available memory of", "Failed to allocate memory", "out of memory")
 
@@ -67,6 +81,8 @@ class GraphSession:
         providers = resolve_providers(device)
         if providers[0] != CPU and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
+        if providers[0] == CUDA:
+            reduce_products_in_fp32()
         self.buckets: CaptureBuckets | None = None
         self.capture_refused: str | None = None
         self.captured: CapturedRuns | None = None

@@ -13,7 +13,7 @@ import pytest
 from systemone.runtime.batch import BatchBudget, MediaRows, TextRow
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, code_logit_feeds, row_feeds, text_positions
 from systemone.runtime.devices import ProviderUnavailable, pick_providers
-from systemone.runtime.session import resolve_providers
+from systemone.runtime.session import GEMM_OPTIONS, GraphSession, reduce_products_in_fp32, resolve_providers
 
 
 def test_cpu_is_always_available():
@@ -54,6 +54,34 @@ def test_auto_picks_an_accelerator_first():
 def test_unknown_device_is_named():
     with pytest.raises(ProviderUnavailable, match="device must be one of auto, cuda, rocm, cpu; got 'tpu'"):
         pick_providers("tpu", ["CPUExecutionProvider"])
+
+
+def test_cuda_sessions_reduce_half_products_in_fp32_unless_the_user_says_otherwise():
+    environ: dict[str, str] = {}
+    reduce_products_in_fp32(environ)
+    assert environ == {GEMM_OPTIONS: "2"}
+    environ = {GEMM_OPTIONS: "0"}
+    reduce_products_in_fp32(environ)
+    assert environ == {GEMM_OPTIONS: "0"}
+
+
+def test_a_cuda_session_sets_the_reduction_before_onnxruntime_opens_it(monkeypatch, tmp_path):
+    # onnxruntime reads the variable at its first fp16 product: it must be set before the session exists.
+    import systemone.runtime.session as session
+
+    seen = []
+    monkeypatch.delenv(GEMM_OPTIONS, raising=False)
+    monkeypatch.setattr(session, "resolve_providers", lambda device: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(ort, "preload_dlls", lambda: None, raising=False)
+
+    def opened(*args, **kwargs):
+        seen.append(session.os.environ.get(GEMM_OPTIONS))
+        raise RuntimeError("no CUDA here")
+
+    monkeypatch.setattr(GraphSession, "_open", staticmethod(opened))
+    with pytest.raises(RuntimeError, match="no CUDA here"):
+        GraphSession(tmp_path / "text.onnx", "cuda")
+    assert seen == ["2"]
 
 
 def test_pad_batch_right_pads_with_mask_and_positions():
