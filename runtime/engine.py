@@ -8,8 +8,8 @@ An engine whose questions are independent rows of one text graph (`shares_batche
 so the scheduler (runtime/scheduler.py) can batch questions of different requests together: `encode_media` (the
 request's vision graph runs), `rows` (one `TextRow` per question) and `run_rows` (one graph call over rows of any
 requests). Its `run` is those three steps for one request, so both paths give the same numbers. An engine may
-share batches for some requests only (`runs_whole`: d1 shares its one-question text requests, whose whole prompt
-is one row, and runs the others whole, their prefix prefilled once).
+share batches for some requests only (`runs_whole`: d1 shares its text requests' questions, each whole prompt one
+row, and runs whole those with images or with a shared prefix worth prefilling once).
 """
 
 from __future__ import annotations

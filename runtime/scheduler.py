@@ -3,8 +3,8 @@
 
 Requests arrive prepared (checked, media loaded, prompts tokenized). In the engine thread:
 
-- a request its engine runs whole (`Engine.runs_whole`: d1's with images or several questions, whose prefix is
-  prefilled once as its own state) is one job, after its vision job in the media lane where there is one;
+- a request its engine runs whole (`Engine.runs_whole`: d1's with images, or with several questions on a prefix
+  worth prefilling once as its own state) is one job, after its vision job in the media lane where there is one;
 - otherwise a request with media first runs its vision graph, in a vision job (in the media lane's thread where
   there is one, so that no text call waits behind a vision run and the two graphs' runs overlap); then its rows
   join the queue (a text-only request's rows join at once);

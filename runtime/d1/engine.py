@@ -27,7 +27,7 @@ from ..prompt import RenderedPrompt, render_texts
 from ..session import GraphSession
 from .image_processor import Lfm2Image, Lfm2ImageConfig, placeholder_text
 from .images import D1ImageEncoder, expand_images, media_rows
-from .state import D1TextRunner, StateLayout
+from .state import UNMEASURED_COST, D1TextRunner, StateLayout
 
 # Option labels whose token ids are remembered: the same few (yes/no, digits, letters, common names) recur in almost
 # every request, and each is tried in several forms (16 questions: about 400 encodings, 4 ms on two cores).
@@ -56,8 +56,8 @@ def readouts(label_ids: list[int], logprobs: np.ndarray, argmax: np.ndarray) -> 
 
 class D1Engine(Engine):
     # A one-question text request is one row (its whole prompt from an empty state) and shares calls with other
-    # requests' rows; a request with images or several questions runs whole, its shared prefix prefilled once
-    # (on a GPU its images encoded first, in the media lane, beside other requests' text calls).
+    # requests' rows; a request with images, or several questions on a prefix worth prefilling once (`runs_whole`),
+    # runs whole (on a GPU its images encoded first, in the media lane, beside other requests' text calls).
     shares_batches = True
     encodes_media_apart = True
 
@@ -221,8 +221,18 @@ class D1Engine(Engine):
         self.runner.cost = cost
 
     def runs_whole(self, prepared: Prepared) -> bool:
-        return (prepared.media is not None or len(prepared.prompts) != 1
-                or not self.budget.fits(1, len(prepared.prompts[0].token_ids)))
+        """A request with images runs whole (their rows are in its prefix), as does a prompt too long for one call.
+        Several questions run whole only where prefilling their shared prefix once saves more than the call it
+        adds: otherwise each question is a row of its own (its whole prompt, exact), in calls shared with other
+        requests. With a GPU's launch-bound calls (d1-3B on an H200: 6.8 ms a call, 12.4 us a token), two or three
+        short questions were a prefill and a read of their own: two calls where one shared call does."""
+        ids = [p.token_ids for p in prepared.prompts]
+        if prepared.media is not None or not all(self.budget.fits(1, len(i)) for i in ids):
+            return True
+        if len(ids) == 1:
+            return False
+        cost = self.runner.cost or UNMEASURED_COST
+        return (len(ids) - 1) * shared_prefix(ids) * cost.token_s > cost.fixed_s
 
     def rows(self, prepared: Prepared, encoded: Any) -> list[TextRow]:
         return [TextRow(prompt.token_ids, label_ids=tuple(labels.ids))
