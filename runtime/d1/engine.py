@@ -232,7 +232,7 @@ class D1Engine(Engine):
         if len(ids) == 1:
             return False
         cost = self.runner.cost or UNMEASURED_COST
-        return (len(ids) - 1) * shared_prefix(ids) * cost.token_s > cost.fixed_s
+        return bool((len(ids) - 1) * shared_prefix(ids) * cost.token_s > cost.fixed_s)
 
     def rows(self, prepared: Prepared, encoded: Any) -> list[TextRow]:
         return [TextRow(prompt.token_ids, label_ids=tuple(labels.ids))
