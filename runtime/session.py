@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,7 +50,7 @@ GEMM_OPTIONS = "ORT_CUDA_GEMM_OPTIONS"
 FP32_REDUCTIONS = "2"
 
 
-def reduce_products_in_fp32(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+def reduce_products_in_fp32(environ: MutableMapping[str, str] = os.environ) -> None:
     """Before the first CUDA session: fp16 products reduce in fp32, unless the user set the variable."""
     environ.setdefault(GEMM_OPTIONS, FP32_REDUCTIONS)
 

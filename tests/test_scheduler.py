@@ -79,34 +79,41 @@ def test_an_answer_does_not_depend_on_its_batch_mates(d3_service, d3_artifact, f
         assert max(abs(want[k] - got[k]) for k in want) <= bound
 
 
+def d1_runs_as_alone(service: DecisionService, bodies: list[dict], cost: CallCost, whole: list[bool]) -> list[int]:
+    """`bodies` prepared and run alone, then submitted together to a scheduler, with the engine's call cost set to
+    `cost` (the shared service's own is whatever an earlier test measured, and is restored): which run whole must be
+    `whole`, and every answer the one its request gets alone (within 1e-5). The rows of each text call."""
+    engine = Recording(service.engine)
+    prepared = [service.prepare(b) for b in bodies]
+    measured = service.engine.runner.cost
+    try:
+        service.engine.use_call_cost(cost)
+        assert [engine.runs_whole(p) for p in prepared] == whole
+        alone = [service.answer(p) for p in prepared]
+        scheduler = Scheduler(engine, batch_rows=8, batch_wait_s=0.3)
+        futures = [scheduler.submit(p, Deadline()) for p in prepared]
+        together = [service.respond(p, f.result(timeout=120)) for p, f in zip(prepared, futures, strict=True)]
+        scheduler.close()
+    finally:
+        service.engine.use_call_cost(measured)
+    for one, shared in zip(alone, together, strict=True):
+        want, got = probabilities(one), probabilities(shared)
+        assert want.keys() == got.keys() and max(abs(want[k] - got[k]) for k in want) <= 1e-5
+    return engine.calls
+
+
 def test_d1_shares_calls_among_one_question_text_requests_and_runs_the_others_whole(d1_service):
     """d1's one-question text requests are one row each (the whole prompt) and share calls across requests, each
     reading its own labels; a request with an image, or with several questions on a state worth prefilling once,
     runs whole, its prefix prefilled once. Every answer is the one the request gets alone."""
-    engine = Recording(d1_service.engine)
     bodies = [body(state, 1) if i % 3 else {"state": state, "questions": {"team": CHOICE}}
               for i, state in enumerate(["Charged twice", "Refund not received after two weeks", "Cannot log in",
                                          "Parcel lost in transit, please help", "Wrong size", "Double charge again"])]
     bodies += [body("A long thread about a charge. " * 10, 3),
                body("See the photo", 1, images=[data_url(gradient_png(64, 48))])]
-    prepared = [d1_service.prepare(b) for b in bodies]
-    measured = d1_service.engine.runner.cost
-    try:
-        # Calls that cost little beyond their tokens: a shared prefix is always worth prefilling once. (The shared
-        # service's cost is whatever an earlier test measured.)
-        d1_service.engine.use_call_cost(CallCost(fixed_s=1e-9, token_s=1e-6))
-        assert [engine.runs_whole(p) for p in prepared] == [False] * 6 + [True, True]
-        alone = [d1_service.answer(p) for p in prepared]
-        scheduler = Scheduler(engine, batch_rows=8, batch_wait_s=0.3)
-        futures = [scheduler.submit(p, Deadline()) for p in prepared]
-        together = [d1_service.respond(p, f.result(timeout=120)) for p, f in zip(prepared, futures, strict=True)]
-        scheduler.close()
-    finally:
-        d1_service.engine.use_call_cost(measured)
-    assert sum(engine.calls) == 6 and max(engine.calls) >= 3, engine.calls  # the one-question requests shared
-    for one, shared in zip(alone, together, strict=True):
-        want, got = probabilities(one), probabilities(shared)
-        assert want.keys() == got.keys() and max(abs(want[k] - got[k]) for k in want) <= 1e-5
+    # Calls that cost little beyond their tokens: a shared prefix is always worth prefilling once.
+    calls = d1_runs_as_alone(d1_service, bodies, CallCost(fixed_s=1e-9, token_s=1e-6), [False] * 6 + [True, True])
+    assert sum(calls) == 6 and max(calls) >= 3, calls  # the one-question requests shared
 
 
 def test_d1_reads_short_questions_as_rows_where_a_call_costs_more_than_their_shared_prefix(d1_service):
@@ -114,25 +121,11 @@ def test_d1_reads_short_questions_as_rows_where_a_call_costs_more_than_their_sha
     on an H200 measured 6.8 ms a call and 12.4 us a token), a d1 request of a few short questions is one row a
     question, its whole prompt, in calls shared with other requests; one whose long state is worth prefilling once
     still runs whole. Every answer is the one the request gets alone, its prefix prefilled once (within 1e-5)."""
-    engine = Recording(d1_service.engine)
     bodies = [body("Charged twice", 3), body("Refund not received", 2), body("Cannot log in", 1),
               body("A long thread about a charge. " * 60, 3)]
-    prepared = [d1_service.prepare(b) for b in bodies]
-    measured = d1_service.engine.runner.cost
-    try:
-        d1_service.engine.use_call_cost(CallCost(fixed_s=6.8e-3, token_s=12.4e-6))
-        assert [engine.runs_whole(p) for p in prepared] == [False, False, False, True]
-        alone = [d1_service.answer(p) for p in prepared]
-        scheduler = Scheduler(engine, batch_rows=8, batch_wait_s=0.3)
-        futures = [scheduler.submit(p, Deadline()) for p in prepared]
-        together = [d1_service.respond(p, f.result(timeout=120)) for p, f in zip(prepared, futures, strict=True)]
-        scheduler.close()
-    finally:
-        d1_service.engine.use_call_cost(measured)
-    assert sum(engine.calls) == 6 and max(engine.calls) >= 3, engine.calls  # the short requests' questions shared
-    for one, shared in zip(alone, together, strict=True):
-        want, got = probabilities(one), probabilities(shared)
-        assert want.keys() == got.keys() and max(abs(want[k] - got[k]) for k in want) <= 1e-5
+    calls = d1_runs_as_alone(d1_service, bodies, CallCost(fixed_s=6.8e-3, token_s=12.4e-6),
+                             [False, False, False, True])
+    assert sum(calls) == 6 and max(calls) >= 3, calls  # the short requests' questions shared
 
 
 class SlowVision(Recording):
