@@ -1,5 +1,6 @@
 """Soak test on loopback: `systemone serve` on an artifact, good requests mixed with every hostile input the
-README's bounds cover, for a bounded time. Reports the server's RSS over time, status counts per kind of request
+README's bounds cover, for a bounded time. Reports the server's RSS over time (each minute also by kind of
+mapping), status counts per kind of request
 (no 5xx expected: slow media end at their fetch deadline, 422) and the good requests' latency percentiles.
 
     python scripts/soak.py ARTIFACT [--minutes 20] [--attackers 3]
@@ -107,6 +108,26 @@ def attacks(port: int, media: Path, drip_url: str) -> dict[str, object]:
     }
 
 
+def resident_by_mapping(pid: int) -> dict[str, float]:
+    """The server's resident memory in MiB by the kind of mapping holding it (/proc/PID/smaps), read from outside
+    so that the sampling allocates nothing in the server: glibc's main heap, anonymous mappings (glibc's other
+    arenas, buffers it maps, Python's object arenas, thread stacks), the graphs' weight files, shared libraries."""
+    kinds: Counter = Counter()
+    kind = "anonymous"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if not first.endswith(":"):  # a mapping's header: address range, perms, offset, device, inode, path
+                fields = line.split()
+                path = fields[5] if len(fields) > 5 else ""
+                kind = ("heap" if path == "[heap]" else "anonymous" if not path or path.startswith("[anon")
+                        else "stack and kernel" if path.startswith("[")
+                        else "graph files" if ".onnx" in path else "libraries" if ".so" in path else "other files")
+            elif first == "Rss:":
+                kinds[kind] += int(line.split()[1]) / 1024
+    return {k: round(v, 1) for k, v in sorted(kinds.items())}
+
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] if ordered else float("nan")
@@ -136,6 +157,7 @@ def main() -> int:
         statuses: dict[str, Counter] = defaultdict(Counter)
         good_seconds: list[float] = []
         rss: list[tuple[float, float]] = []
+        by_mapping: list[tuple[float, dict[str, float]]] = []
         samples: dict[str, str] = {}
         lock = threading.Lock()
         start = time.monotonic()
@@ -188,8 +210,11 @@ def main() -> int:
             thread.start()
         while any(t.is_alive() for t in threads):
             rss.append((time.monotonic() - start, rss_mb(server.pid)))
+            if len(rss) % 12 == 1:  # every minute
+                by_mapping.append((round(rss[-1][0]), resident_by_mapping(server.pid)))
             time.sleep(5)
         rss.append((time.monotonic() - start, rss_mb(server.pid)))
+        by_mapping.append((round(rss[-1][0]), resident_by_mapping(server.pid)))
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -208,6 +233,7 @@ def main() -> int:
                    "end": rss[-1][1] if rss else None},
         "unexpected_answers": samples,
         "rss_series": [(round(t), round(m)) for t, m in rss],
+        "rss_mb_by_mapping": by_mapping,
         "server_log_lines": sum(1 for _ in open(media / "server.log", "rb")),
     }
     text = json.dumps(report, indent=2)
