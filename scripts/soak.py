@@ -36,6 +36,8 @@ NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = {"state": {"ticket": "printer on fire", "priority": "high"},
         "questions": {"q": NOUL, "c": {"type": "choice", "instructions": "Which team?",
                                        "criteria": {"hardware": None, "software": None, "facilities": None}}}}
+SAMPLE_S = 5  # between RSS samples
+MAPPING_EVERY = 60 // SAMPLE_S  # RSS samples between two by-mapping samples: a minute
 
 
 def saved(image: Image.Image, fmt: str, **options) -> bytes:
@@ -210,9 +212,9 @@ def main() -> int:
             thread.start()
         while any(t.is_alive() for t in threads):
             rss.append((time.monotonic() - start, rss_mb(server.pid)))
-            if len(rss) % 12 == 1:  # every minute
+            if len(rss) % MAPPING_EVERY == 1:
                 by_mapping.append((round(rss[-1][0]), resident_by_mapping(server.pid)))
-            time.sleep(5)
+            time.sleep(SAMPLE_S)
         rss.append((time.monotonic() - start, rss_mb(server.pid)))
         by_mapping.append((round(rss[-1][0]), resident_by_mapping(server.pid)))
     finally:
