@@ -7,22 +7,32 @@
 #     uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 annotated-types==0.8.0 typing-inspection==0.4.5 click==8.5.1 \
 #     zstandard==0.25.0 opentelemetry-api==1.45.2 annotated-doc==0.0.7 typing_extensions==4.16.0
 #   bash scripts/gpu_serve_bench.sh SIZE MODE [SECONDS]
+# SERVE_ARGS: more `systemone serve` flags (e.g. "--gpu-memory 6"); REFERENCE=0: our server alone; TAG: a suffix for
+# the result files. Each run reports the most GPU memory each server process and the device held (nvidia-smi).
 set -euo pipefail
 size="$1"; mode="$2"; seconds="${3:-30}"
 family=$(case "$size" in d1*) echo d1 ;; *) echo d3 ;; esac)
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 work=~/work/"$size-$mode"; out="${OUT:-/tmp/out}"; mkdir -p "$out"
+tag="${size}_${mode}${TAG:+_$TAG}"
 cd ~  # keep the repo's systemone/ folder off sys.path (see gpu_bench.sh)
 start=$(date +%s.%N)
-python3 -m systemone.cli serve "$work/artifact" --device cuda --port 8000 > "$out/serve.log" 2>&1 &
-python3 -m systemone.reference_server "$work/checkpoint" --artifact "$work/artifact" --device cuda --port 8001 \
-  > "$out/reference.log" 2>&1 &
+# shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
+python3 -m systemone.cli serve "$work/artifact" --device cuda --port 8000 ${SERVE_ARGS:-} > "$out/serve_$tag.log" 2>&1 &
+pids=(--server-pid $!)
+ports=(8000)
+if [ "${REFERENCE:-1}" != 0 ]; then
+  python3 -m systemone.reference_server "$work/checkpoint" --artifact "$work/artifact" --device cuda --port 8001 \
+    > "$out/reference.log" 2>&1 &
+  pids+=(--reference-pid $!)
+  ports+=(8001)
+fi
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
-for port in 8000 8001; do
+for port in "${ports[@]}"; do
   until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
     sleep 0.5
-    if [ -z "$(jobs -rp)" ] || [ "$(jobs -rp | wc -l)" -lt 2 ]; then  # a server died: say why, stop
-      tail -20 "$out/serve.log" "$out/reference.log"; exit 1
+    if [ "$(jobs -rp | wc -l)" -lt "${#ports[@]}" ]; then  # a server died: say why, stop
+      tail -20 "$out/serve_$tag.log" "$out/reference.log" 2>/dev/null; exit 1
     fi
   done
   if [ "$port" = 8000 ]; then  # the time a user waits from `systemone serve` to the first answer
@@ -31,10 +41,11 @@ for port in 8000 8001; do
     python3 -c "import time; print(f\"systemone serve -> first answer after {time.time() - $start:.1f} s\")"
   fi
 done
-python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone \
-  --reference http://127.0.0.1:8001/v1/systemone --family "$family" --clients 1 8 64 --seconds "$seconds" \
-  --out "$out/serve_bench_${size}_${mode}.json"
+reference=()
+[ "${REFERENCE:-1}" = 0 ] || reference=(--reference http://127.0.0.1:8001/v1/systemone)
+python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone "${reference[@]}" --family "$family" \
+  --clients 1 8 64 --seconds "$seconds" --gpu-memory-peaks "${pids[@]}" --out "$out/serve_bench_$tag.json"
 # Text-only one-question requests at 64 clients, our server alone.
 python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone --family "$family" --kinds text1 --clients 64 \
-  --seconds "$seconds" --out "$out/serve_bench_text1_${size}_${mode}.json"
-grep "systemone serve:\|cuda graphs" "$out/serve.log" || true
+  --seconds "$seconds" --gpu-memory-peaks "${pids[@]}" --out "$out/serve_bench_text1_$tag.json"
+grep "systemone serve:\|cuda graphs" "$out/serve_$tag.log" || true

@@ -13,7 +13,6 @@ It needs the export extra (torch, transformers): the reference is the export's o
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .gpu_memory import device_used_mib
 from .models.registry import FAMILIES
 from .runtime.artifact import Artifact
 from .runtime.engine import EngineOptions
@@ -50,16 +50,6 @@ def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda
         sync()
         times.append(time.perf_counter() - start)
     return times
-
-
-def gpu_used_mib() -> int | None:
-    """The device's used memory (nvidia-smi), or None without an NVIDIA GPU."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return int(out.split()[0])
 
 
 def directory_bytes(root: Path) -> int:
@@ -242,13 +232,13 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
         name = f"{form} uncaptured" if cuda_graphs and not capture else form
         work = None
         gc.collect()  # the last form's sessions (and their device arenas) go before this one is measured
-        before = gpu_used_mib()
+        before = device_used_mib()
         service = DecisionService(artifact, EngineOptions(device=device, form=form, gpu_memory=gpu_memory,
                                                           cuda_graphs=capture))
         service.warm_up()  # this thread runs every timed call, so its CUDA graphs are captured here
         work = WORKLOADS[entry.name](service, reference, vocab)
         form_report, outputs[name] = bench_form(work, token_batches, repeats, request_repeats, log)
-        serving = gpu_used_mib()
+        serving = device_used_mib()
         form_report["gpu_memory_serving_mib"] = None if serving is None or before is None else serving - before
         form_report["cuda_graphs"] = service.cuda_graphs
         if service.captures:

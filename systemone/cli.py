@@ -218,8 +218,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.serve:
         from .loadgen import run_load
 
+        pids = ({name: pid for name, pid in (("server", args.server_pid), ("reference", args.reference_pid)) if pid}
+                if args.gpu_memory_peaks else None)
         report = run_load(args.serve, args.family, tuple(args.clients), args.seconds, args.model, args.reference,
-                          tuple(args.kinds))
+                          tuple(args.kinds), pids)
         if args.out:
             write_report(report, Path(args.out))
         return 0
@@ -417,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--serve", metavar="URL", help="POST endpoint of a running server, e.g. "
                       "http://127.0.0.1:8000/v1/systemone")
     load.add_argument("--reference", metavar="URL", help="a reference server's endpoint, run on the same requests")
+    load.add_argument("--gpu-memory-peaks", action="store_true",
+                      help="report the most GPU memory the device held in each run (nvidia-smi), and each server "
+                           "process given below")
+    load.add_argument("--server-pid", type=int, default=None, help="the server's process id")
+    load.add_argument("--reference-pid", type=int, default=None, help="the reference server's process id")
     load.add_argument("--family", default="d3", choices=["d1", "d3"], help="which mix (d1: images, <= 26 options)")
     load.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64], help="closed-loop client counts")
     load.add_argument("--seconds", type=float, default=30.0, help="seconds per client count")

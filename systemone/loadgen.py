@@ -16,6 +16,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,6 +24,8 @@ from urllib.request import urlopen
 
 import numpy as np
 from PIL import Image
+
+from .gpu_memory import PeakSampler, held_mib
 
 KINDS = ("text", "json", "choice40", "image", "video")  # the seeds' mix
 # Besides the mix: a text state with exactly one question (the issue's text-only throughput figure).
@@ -225,18 +228,27 @@ def work_shares(before: dict[str, float], after: dict[str, float], seconds: floa
 
 
 def run_load(url: str, family: str, clients: tuple[int, ...], seconds: float, model: str | None = None,
-             reference: str | None = None, kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
+             reference: str | None = None, kinds: tuple[str, ...] = KINDS,
+             pids: dict[str, int] | None = None) -> dict[str, Any]:
     """The mix at each client count against `url` (and `reference`, when given, on the same requests); where a
-    server has /metrics, its work shares during each run."""
+    server has /metrics, its work shares during each run. With `pids` (the servers' processes by name, "server"
+    and "reference"; may be empty), the most GPU memory each held and the device held in all during each run, and
+    what they held before the first (nvidia-smi)."""
     report: dict[str, Any] = {"family": family, "kinds": list(kinds), "runs": {}}
     targets = {"server": url, **({"reference": reference} if reference else {})}
+    sample = pids is not None
+    if sample:
+        report["gpu_memory_mib_before_load"] = held_mib(pids)
     for name, target in targets.items():
         for count in clients:
             before = server_metrics(target)
-            result = asyncio.run(closed_loop(target, RequestMix(family, 0, kinds), count, seconds, model))
-            report["runs"][f"{name}@{count}"] = result.summary()
+            memory = PeakSampler(lambda: held_mib(pids)) if sample else nullcontext()
+            with memory:
+                result = asyncio.run(closed_loop(target, RequestMix(family, 0, kinds), count, seconds, model))
+            run = report["runs"][f"{name}@{count}"] = result.summary()
             if before:
-                report["runs"][f"{name}@{count}"]["work"] = work_shares(before, server_metrics(target),
-                                                                        result.seconds)
+                run["work"] = work_shares(before, server_metrics(target), result.seconds)
+            if sample:
+                run["gpu_memory_mib_peak"] = memory.peaks
             print(f"{name:9s} {count:3d} clients: {json.dumps(report['runs'][f'{name}@{count}'])}", flush=True)
     return report
