@@ -188,14 +188,15 @@ def test_the_fused_form_runs_each_gated_deltanet_layer_as_three_nodes_without_co
         assert attributes["qk_l2_norm"] == 1
 
 
-def test_the_fused_graph_in_torch_is_the_portable_one(d3_checkpoint):
-    """The fused ops' eager bodies compute what the portable graph computes: the torch module behind the fused
-    export and the portable one agree on a padded batch."""
+@pytest.mark.parametrize("mode", ["noncausal", "causal"])
+def test_the_fused_graph_in_torch_is_the_portable_one(mode, request):
+    """The fused ops' eager bodies compute what the portable graph computes, in both attention modes: the torch
+    module behind the fused export and the portable one agree on a padded batch."""
     import torch
 
     from systemone.export.d3.config import D3ExportConfig
 
-    config = D3ExportConfig(d3_checkpoint)
+    config = D3ExportConfig(request.getfixturevalue("d3_checkpoint" if mode == "noncausal" else "d3_causal_checkpoint"))
     inputs = config.example_inputs()
     with torch.no_grad():
         portable, fused = (config.graph(fused=fused)(*inputs) for fused in (False, True))
@@ -409,6 +410,47 @@ def test_twin_casts_the_converter_writes_for_a_value_listed_twice_are_made_one()
     graph = helper.make_graph([cast("c", TensorProto.FLOAT), cast("c", TensorProto.DOUBLE)], "g", [], [])
     with pytest.raises(ValueError, match="two different casts write 'y_cast_to_fp32'"):
         drop_twin_casts(graph)
+
+
+@pytest.mark.parametrize("mode", ["noncausal", "causal"])
+def test_the_fused_forms_text_attention_is_one_node_a_layer_that_never_holds_the_scores(mode, request):
+    """Each full-attention layer of the fused text graph is one MultiHeadAttention node over fp16 query, key and
+    value; no Softmax (no B x heads x L x L scores) is left. Causal: `unidirectional`, no mask (right padding is
+    never seen). Bidirectional: the keys bounded by each row's length, as 3B + 2 int32 (lengths, query starts, key
+    starts), the layout onnxruntime's CUDA memory-efficient kernel takes."""
+    artifact = request.getfixturevalue("d3_artifact" if mode == "noncausal" else "d3_causal_artifact")
+    form = Artifact.load(artifact).forms_for("cuda")[0]
+    half = onnx.load(str(artifact / f"text.{form}.onnx"), load_external_data=False)
+    portable = onnx.load(str(artifact / "text.onnx"), load_external_data=False)
+    attention = [n for n in half.graph.node if n.op_type == "MultiHeadAttention"]
+    assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
+    assert not any(n.op_type == "Softmax" for n in half.graph.node)
+    for node in attention:
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if mode == "causal":
+            assert attributes["unidirectional"] == 1 and len(node.input) == 3
+        else:
+            assert attributes["unidirectional"] == 0 and node.input[3] == "" and node.input[4]
+
+
+@pytest.mark.parametrize("mode", ["noncausal", "causal"])
+def test_a_fused_form_question_answers_alike_alone_and_beside_longer_rows(mode, request):
+    """Right padding changes no row's code logits through the fused attention (half precision: within 2e-3),
+    the scheduler's promise that an answer does not depend on its batch mates."""
+    from systemone.runtime.batch import BatchBudget, TextRow
+    from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
+    from systemone.runtime.session import GraphSession
+
+    artifact = request.getfixturevalue("d3_artifact" if mode == "noncausal" else "d3_causal_artifact")
+    loaded = Artifact.load(artifact)
+    form = loaded.forms_for("cuda")[0]
+    runner = CodeLogitsRunner(GraphSession(artifact / f"text.{form}.onnx", "cpu"), BatchBudget(),
+                              int(loaded.manifest.model["hidden_size"]))
+    rng = np.random.default_rng(0)
+    rows = [TextRow(rng.integers(0, 5000, n).tolist(), text_positions(n)) for n in (9, 41, 23)]
+    together = runner.run_batch(rows)  # one right-padded call of 41 tokens
+    alone = np.concatenate([runner.run_batch([row]) for row in rows])
+    assert np.abs(together - alone).max() <= 2e-3
 
 
 def test_the_fused_vision_graph_in_torch_is_the_portable_one(d3_checkpoint):

@@ -24,13 +24,19 @@ inputs and attributes by it). The nodes, and the sums they compute:
 - `MultiHeadAttention` (no mask, one segment): out = softmax(scale q k^T) v per head, read in fp16 (on CUDA its
   flash and memory-efficient kernels run in half precision) and returned in fp32. The portable vision graph's
   fp32 scores for a 1280 x 960 photo (4,800 patches) are 4,800^2 per head and block.
+- `MultiHeadAttention` again for the text graph's full-attention layers, over right-padded rows, fp16 in and fp32
+  out: causal as `unidirectional` with no mask (a real token never sees the padding to its right; onnxruntime's
+  CUDA kernel is flash attention), bidirectional with the keys bounded by each row's length, written as the mask
+  layout of 3B + 2 int32 (key lengths, then the rows' query and key starts, b x L), the one onnxruntime's CUDA
+  memory-efficient kernel takes. The portable graph's fp32 scores (B x heads x L x L, and their copies) were what
+  grew a serving process's GPU memory with the long media rows (docs/gpu.md, "Twelfth run").
 """
 
 import onnx
 import onnxscript
 import torch
 import torch.nn.functional as F
-from onnxscript import FLOAT, FLOAT16, INT64
+from onnxscript import FLOAT, FLOAT16, INT32, INT64
 from onnxscript import opset18 as op
 
 from ..short_conv import shifted_conv
@@ -60,9 +66,12 @@ GATED_DELTA_NET = _op(
     [("T", _HALF_OR_FLOAT, ""), ("TI", ["tensor(int32)"], ""), ("TS", ["tensor(float)"], "")],
     {"update_rule": _AttrType.STRING, "gate_activation": _AttrType.STRING, "beta_activation": _AttrType.STRING,
      "qk_l2_norm": _AttrType.INT, "scale": _AttrType.FLOAT})
-MULTI_HEAD_ATTENTION = _op("MultiHeadAttention", [_Param("query", "T"), _Param("key", "T"), _Param("value", "T")],
-                           [_Param("output", "T")], [("T", _HALF_OR_FLOAT, "")],
-                           {"num_heads": _AttrType.INT, "scale": _AttrType.FLOAT})
+MULTI_HEAD_ATTENTION = _op("MultiHeadAttention",
+                           [_Param("query", "T"), _Param("key", "T"), _Param("value", "T"),
+                            _Param("bias", "T", param_option=_Option.Optional),
+                            _Param("key_padding_mask", "M", param_option=_Option.Optional)],
+                           [_Param("output", "T")], [("T", _HALF_OR_FLOAT, ""), ("M", ["tensor(int32)"], "")],
+                           {"num_heads": _AttrType.INT, "scale": _AttrType.FLOAT, "unidirectional": _AttrType.INT})
 ROTARY_EMBEDDING = _op("RotaryEmbedding", [_Param("input", "T"), _Param("position_ids", "M"),
                                            _Param("cos_cache", "T"), _Param("sin_cache", "T")],
                        [_Param("output", "T")], [("T", _HALF_OR_FLOAT, ""), ("M", ["tensor(int64)"], "")],
@@ -167,6 +176,43 @@ def _segment_attention(query: FLOAT, key: FLOAT, value: FLOAT, segments: INT64, 
     return op.Cast(op.Reshape(out, op.Shape(rows)), to=FLOAT.dtype)
 
 
+# -- the text graph's full attention ---------------------------------------------------------------------------
+@torch.library.custom_op("systemone::padded_attention", mutates_args=())
+def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor,
+                     heads: int, causal: bool, scale: float) -> torch.Tensor:
+    """query, key, value [B, H, L, D] fp32 (H = `heads`) over right-padded rows of `lengths` [B] real tokens: each
+    query attends to its row's real keys (only those up to itself where `causal`) -> [B, L, H * D]."""
+    length = query.shape[2]
+    allowed = (torch.arange(length, device=query.device)[None, :] < lengths[:, None])[:, None, None, :]
+    if causal:
+        allowed = allowed & torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    scores = ((query * scale) @ key.transpose(-1, -2)).masked_fill(~allowed, torch.finfo(query.dtype).min)
+    out = torch.softmax(scores, dim=-1) @ value
+    return out.transpose(1, 2).reshape(query.shape[0], length, -1).contiguous()
+
+
+@padded_attention.register_fake
+def _(query, key, value, lengths, heads, causal, scale):
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1] * query.shape[3]))
+
+
+def _padded_attention(query: FLOAT, key: FLOAT, value: FLOAT, lengths: INT64, heads: int, causal: bool,
+                      scale: float) -> FLOAT:
+    # [B, H, L, D] -> [B, L, H * D] in fp16, the op's layout.
+    q, k, v = (op.Cast(op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1])),
+                       to=FLOAT16.dtype) for x in (query, key, value))
+    if causal:
+        out = MULTI_HEAD_ATTENTION(q, k, v, num_heads=heads, scale=scale, unidirectional=1)
+    else:
+        # Key lengths [B], then the rows' query starts and key starts [B + 1] each: b x L, as the rows lie.
+        shape = op.Shape(query)
+        batch, length = op.Gather(shape, op.Constant(value_int=0)), op.Gather(shape, op.Constant(value_int=2))
+        starts = op.Range(op.Constant(value_int=0), op.Mul(op.Add(batch, op.Constant(value_int=1)), length), length)
+        mask = op.Cast(op.Concat(lengths, starts, starts, axis=0), to=INT32.dtype)
+        out = MULTI_HEAD_ATTENTION(q, k, v, None, mask, num_heads=heads, scale=scale, unidirectional=0)
+    return op.Cast(out, to=FLOAT.dtype)
+
+
 # -- the vision tower's rotary ----------------------------------------------------------------------------------
 @torch.library.custom_op("systemone::patch_rotary", mutates_args=())
 def patch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
@@ -208,5 +254,6 @@ TRANSLATIONS = {torch.ops.systemone.causal_conv_silu.default: _causal_conv,
                 torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
                 torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm,
                 torch.ops.systemone.segment_attention.default: _segment_attention,
+                torch.ops.systemone.padded_attention.default: _padded_attention,
                 torch.ops.systemone.patch_rotary.default: _patch_rotary,
                 torch.ops.systemone.gelu_tanh.default: _fast_gelu}

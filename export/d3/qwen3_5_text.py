@@ -23,7 +23,7 @@ from torch import nn
 
 from ..short_conv import shifted_conv
 from .delta_rule import chunk_gated_delta_rule
-from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm
+from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,11 +81,16 @@ class GatedDeltaNetLayer(nn.Module):
 
 
 class FullAttentionLayer(nn.Module):
-    def __init__(self, hf: nn.Module):
+    """`fused`: the scores, mask and softmax as onnxruntime's MultiHeadAttention node (the CUDA form,
+    `fused_ops.py`), which never holds the B x heads x L x L scores; the portable graph writes them as products."""
+
+    def __init__(self, hf: nn.Module, fused: bool = False, causal: bool = True):
         super().__init__()
         self.hf = hf
+        self.fused = fused
+        self.causal = causal
 
-    def forward(self, hidden, cos, sin, additive_mask):
+    def forward(self, hidden, cos, sin, additive_mask, lengths):
         hf = self.hf
         batch, length, _ = hidden.shape
         head_dim = hf.head_dim
@@ -98,6 +103,10 @@ class FullAttentionLayer(nn.Module):
         groups = hf.num_key_value_groups
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+        if self.fused:
+            out = padded_attention(query.float(), key.float(), value.float(), lengths, query.shape[1], self.causal,
+                                   hf.scaling)
+            return hf.o_proj(out.to(hidden.dtype) * torch.sigmoid(gate))
         # The scale on the query [B, H, L, D] rather than on the scores [B, H, L, L]: L / D times fewer products.
         scores = (query * hf.scaling) @ key.transpose(-1, -2) + additive_mask
         probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
@@ -129,6 +138,7 @@ class D3TextGraph(nn.Module):
         self.embed_tokens = text.embed_tokens
         self.final_norm = text.norm
         self.bidirectional = attention_mode == "noncausal_full_attention"
+        self.fused = fused
         self.layers = nn.ModuleList()
         self.mixers = nn.ModuleList()
         for layer in text.layers:
@@ -136,7 +146,7 @@ class D3TextGraph(nn.Module):
             if layer.block_type == "linear_attention":
                 self.mixers.append(GatedDeltaNetLayer(layer.linear_attn, fused))
             else:
-                self.mixers.append(FullAttentionLayer(layer.self_attn))
+                self.mixers.append(FullAttentionLayer(layer.self_attn, fused, not self.bidirectional))
         rotary = text.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.float().clone(), persistent=False)
         # Interleaved M-RoPE: frequency j reads the T, H or W position (spec 4.11).
@@ -175,7 +185,9 @@ class D3TextGraph(nn.Module):
         hidden = hidden.reshape(batch, length, width)
         dtype = hidden.dtype
         cos, sin = self._rope(position_ids, dtype)
-        additive = self._attention_mask(attention_mask, dtype)
+        # The fused layers bound each row by its length; the portable ones add the mask to their scores.
+        additive = None if self.fused else self._attention_mask(attention_mask, dtype)
+        lengths = attention_mask.sum(dim=1)
         pad_mask = attention_mask
         for layer, mixer in zip(self.layers, self.mixers):
             residual = hidden
@@ -183,7 +195,7 @@ class D3TextGraph(nn.Module):
             if isinstance(mixer, GatedDeltaNetLayer):
                 mixed = mixer(normed, pad_mask)
             else:
-                mixed = mixer(normed, cos, sin, additive)
+                mixed = mixer(normed, cos, sin, additive, lengths)
             hidden = residual + mixed
             residual = hidden
             hidden = residual + layer.mlp(_norm_1p(layer.post_attention_layernorm, hidden))
