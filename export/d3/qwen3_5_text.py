@@ -7,7 +7,9 @@ It reads the weights of transformers' `Qwen3_5Model` (same modules, same names) 
   fused node, with the short convolution and the gated norm beside it (`fused_ops.py`);
 * the 3-D M-RoPE positions are a graph input (computed by the runtime, spec 4.11);
 * attention masks are built in the graph from the 2-D padding mask: causal for `causal`, bidirectional over the
-  whole prompt for `noncausal_full_attention` (full-attention layers only; Gated DeltaNet stays causal, spec 4.3).
+  whole prompt for `noncausal_full_attention` (full-attention layers only; Gated DeltaNet stays causal, spec 4.3);
+  in the CUDA form's graph each full-attention layer is onnxruntime's fused attention node, bounded by each row's
+  length, which never holds the scores.
 
 Inputs: input_ids [B, L] int64, attention_mask [B, L] int64 (right padding), position_ids [3, B, L] int64,
 media_embeds [M, hidden] float32 and media_index [M] int64 (the vision graph's rows and their flat positions in

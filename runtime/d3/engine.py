@@ -41,8 +41,9 @@ class D3Engine(Engine):
         self.artifact = artifact
         self.family = artifact.family
         heads = int(fields.get("num_attention_heads", 1))
-        # The graph materialises full-attention scores (O(L^2)): the longest prompt is bounded by the attention
-        # budget too, so memory stays bounded and a long prompt gets a 400, never an out-of-memory crash.
+        # The portable graph materialises full-attention scores (O(L^2)): the longest prompt is bounded by the
+        # attention budget too, so memory stays bounded and a long prompt gets a 400, never an out-of-memory crash.
+        # The CUDA form's fused attention holds no scores; the same bound keeps every form's answers alike.
         longest = BatchBudget(attention_budget=options.attention_budget, heads=heads).longest_prompt()
         self.max_model_len = min(options.max_model_len or artifact.max_model_len, longest)
         self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads)
