@@ -38,7 +38,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-from ..models.errors import Unavailable
+from ..models.errors import DeviceMemoryExhausted, Unavailable
 from ..models.family import Readout
 from .batch import TextRow
 from .deadline import Deadline
@@ -319,17 +319,33 @@ class Scheduler:
 
         def run() -> None:
             options = self._start(tickets, lane)
+            failed: dict[_Ticket, DeviceMemoryExhausted] = {}
             try:
-                encoded = self.engine.encode_media_many([t.prepared for t in tickets], options)
+                try:
+                    encoded = self.engine.encode_media_many([t.prepared for t in tickets], options)
+                except DeviceMemoryExhausted:
+                    if len(tickets) == 1:
+                        raise
+                    # The device memory (--gpu-memory) could not hold the job now: each request's media again
+                    # alone, and only a request whose media it cannot hold alone gets the 503.
+                    encoded = []
+                    for ticket in tickets:
+                        try:
+                            encoded += self.engine.encode_media_many([ticket.prepared], options)
+                        except DeviceMemoryExhausted as exc:
+                            failed[ticket] = exc
+                            encoded.append(None)
                 # Each request's next step: its whole run on its vision rows, or its rows.
                 steps = [(ticket, out, None if self.engine.runs_whole(ticket.prepared)
                           else self.engine.rows(ticket.prepared, out))
-                         for ticket, out in zip(tickets, encoded, strict=True)]
+                         for ticket, out in zip(tickets, encoded, strict=True) if ticket not in failed]
             except Exception as exc:  # noqa: BLE001 - every request in the job gets it (a stopped run included)
                 self._fail(tickets, lane, exc)
                 return
             with self._cond:
                 del self._in_flight[lane]
+                for ticket, exc in failed.items():
+                    self._finish(ticket, error=exc)
                 for ticket, out, rows in steps:
                     if rows is not None:
                         self._queue_rows(ticket, rows)

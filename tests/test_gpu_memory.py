@@ -1,8 +1,13 @@
 """A bounded device arena (`--gpu-memory`) that cannot hold a call: the call's rows run again in smaller calls,
-and a single row that still does not fit is a 503 with Retry-After (the client may retry), never a 500. The arena
-itself is onnxruntime's on CUDA; here a CPU session fails past a row count exactly as onnxruntime words it."""
+and a single row that still does not fit is a 503 with Retry-After (the client may retry), never a 500; a vision
+job of several requests it cannot hold runs each request's media again alone, and only a request whose media does
+not fit alone fails. The arena itself is onnxruntime's on CUDA; here a CPU session fails past a size exactly as
+onnxruntime words it."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,10 +17,13 @@ from systemone.models.errors import DeviceMemoryExhausted, Unavailable
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
+from systemone.runtime.deadline import Deadline
 from systemone.runtime.engine import EngineOptions
+from systemone.runtime.scheduler import Scheduler
 from systemone.runtime.service import DecisionService
 from systemone.runtime.session import GraphSession, memory_errors
 from systemone.server.app import create_app
+from tests.media_helpers import data_url, gradient_png
 
 # onnxruntime's message when the BFC arena is at its limit (seen on the H200 with --gpu-memory 8).
 ARENA_FULL = ("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Expand node. "
@@ -76,3 +84,54 @@ def test_the_client_gets_503_with_retry_after(d3_artifact):
                                                   "questions": {"q": {"type": "noul", "instructions": "Refund?"}}})
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"] == "1" and "--gpu-memory" in response.json()["error"]["message"]
+
+
+class BoundedVision(GraphSession):
+    """The CPU vision session with an arena that holds at most `most_patches` pixel rows a run."""
+
+    def __init__(self, path, most_patches: int):
+        super().__init__(path, "cpu")
+        self.most_patches = most_patches
+
+    def run(self, feeds, run_options=None):
+        if feeds["pixel_values"].shape[0] > self.most_patches:
+            with memory_errors():
+                raise RuntimeError(ARENA_FULL)
+        return super().run(feeds, run_options)
+
+
+def test_a_vision_job_the_arena_cannot_hold_fails_only_the_request_that_does_not_fit_alone(d3_artifact):
+    service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"))
+    question = {"q": {"type": "noul", "instructions": "Is it damaged?"}}
+    small = [service.prepare({"state": f"photo {i}", "questions": question,
+                              "images": [data_url(gradient_png(96, 80, seed=i))]}) for i in range(3)]
+    big = service.prepare({"state": "a large photo", "questions": question,
+                           "images": [data_url(gradient_png(640, 480))]})
+    patches = [p.media.loaded.in_order()[0].pixels.shape[0] for p in (*small, big)]
+    assert max(patches[:3]) < patches[3]
+    answers_alone = [service.answer(p) for p in small]
+    service.engine.media.session = BoundedVision(d3_artifact / "vision.onnx", most_patches=max(patches[:3]))
+    engine = service.engine
+    started, release = threading.Event(), threading.Event()
+    encode = engine.encode_media_many
+
+    def held_first_job(prepared, run_options=None):  # the first job waits, so the other three share the next
+        if not started.is_set():
+            started.set()
+            release.wait(10)
+        return encode(prepared, run_options)
+
+    engine.encode_media_many = held_first_job
+    scheduler = Scheduler(engine, batch_rows=4, batch_wait_s=0.0, media_lane=True)
+    futures = [scheduler.submit(small[0], Deadline())]
+    assert started.wait(10)
+    futures += [scheduler.submit(p, Deadline()) for p in (small[1], big, small[2])]
+    time.sleep(0.1)
+    release.set()
+    with pytest.raises(DeviceMemoryExhausted, match="--gpu-memory"):
+        futures[2].result(timeout=60)
+    for prepared, future, alone in zip(small, (futures[0], futures[1], futures[3]), answers_alone, strict=True):
+        shared = service.respond(prepared, future.result(timeout=60))
+        assert shared["answers"] == alone["answers"]
+    scheduler.close(timeout=30)
+
