@@ -326,15 +326,7 @@ class Scheduler:
                 except DeviceMemoryExhausted:
                     if len(tickets) == 1:
                         raise
-                    # The device memory (--gpu-memory) could not hold the job now: each request's media again
-                    # alone, and only a request whose media it cannot hold alone gets the 503.
-                    encoded = []
-                    for ticket in tickets:
-                        try:
-                            encoded += self.engine.encode_media_many([ticket.prepared], options)
-                        except DeviceMemoryExhausted as exc:
-                            failed[ticket] = exc
-                            encoded.append(None)
+                    encoded = self._encode_apart(tickets, options, failed)
                 # Each request's next step: its whole run on its vision rows, or its rows.
                 steps = [(ticket, out, None if self.engine.runs_whole(ticket.prepared)
                           else self.engine.rows(ticket.prepared, out))
@@ -353,6 +345,19 @@ class Scheduler:
                         ticket.encoded, ticket.stage = out, "whole"
                 self._cond.notify_all()  # the engine thread may be waiting with nothing else to do
         return run
+
+    def _encode_apart(self, tickets: list[_Ticket], options: Any,
+                      failed: dict[_Ticket, DeviceMemoryExhausted]) -> list[Any]:
+        """The device memory (--gpu-memory) could not hold the job at once: each request's media again alone; a
+        request whose media it cannot hold alone goes into `failed` (its 503) with None for its encoding."""
+        encoded: list[Any] = []
+        for ticket in tickets:
+            try:
+                encoded += self.engine.encode_media_many([ticket.prepared], options)
+            except DeviceMemoryExhausted as exc:
+                failed[ticket] = exc
+                encoded.append(None)
+        return encoded
 
     def _batch(self, taken: list[tuple[_Ticket, int, TextRow]]) -> Callable[[], None]:
         def run() -> None:

@@ -250,5 +250,5 @@ def run_load(url: str, family: str, clients: tuple[int, ...], seconds: float, mo
                 run["work"] = work_shares(before, server_metrics(target), result.seconds)
             if sample:
                 run["gpu_memory_mib_peak"] = memory.peaks
-            print(f"{name:9s} {count:3d} clients: {json.dumps(report['runs'][f'{name}@{count}'])}", flush=True)
+            print(f"{name:9s} {count:3d} clients: {json.dumps(run)}", flush=True)
     return report
