@@ -19,10 +19,12 @@ Requests arrive prepared (checked, media loaded, prompts tokenized). In the engi
   (padded tokens and attention memory). While the call could take more rows, it waits up to `batch_wait_s` after
   its rows became ready for other requests' rows to arrive.
 
-A request is answered when its last row returns. A request whose deadline has passed, or that was abandoned (its
-client left, its time ran out: `Deadline.cancel`), has its waiting rows dropped; a call in flight is stopped
-(onnxruntime's `RunOptions.terminate`) only when every request in it is gone, so batch mates still get their
-answers. `close` lets every request already submitted finish, then ends the threads.
+A request is answered when its last row returns. A call or vision job the device memory (--gpu-memory) cannot
+hold runs again in smaller parts, and only a request whose own row or media does not fit alone fails (a 503). A
+request whose deadline has passed, or that was abandoned (its client left, its time ran out: `Deadline.cancel`),
+has its waiting rows dropped; a call in flight is stopped (onnxruntime's `RunOptions.terminate`) only when every
+request in it is gone, so batch mates still get their answers. `close` lets every request already submitted finish,
+then ends the threads.
 """
 
 from __future__ import annotations
@@ -364,18 +366,34 @@ class Scheduler:
             tickets = list(dict.fromkeys(t for t, _, _ in taken))
             options = self._start(tickets, TEXT)
             try:
-                readouts = self.engine.run_rows([row for _, _, row in taken], options)
+                readouts = self._run_rows([row for _, _, row in taken], options)
             except Exception as exc:  # noqa: BLE001 - every request in the call gets it
                 self._fail(tickets, TEXT, exc)
                 return
             with self._cond:
                 del self._in_flight[TEXT]
                 for (ticket, index, _), readout in zip(taken, readouts, strict=True):
-                    ticket.readouts[index] = readout
+                    if isinstance(readout, DeviceMemoryExhausted):
+                        if ticket in self._tickets:
+                            self._finish(ticket, error=readout)
+                    else:
+                        ticket.readouts[index] = readout
                 for ticket in tickets:
                     if ticket in self._tickets and not ticket.pending and all(r is not None for r in ticket.readouts):
                         self._finish(ticket)
         return run
+
+    def _run_rows(self, rows: list[TextRow], options: Any) -> list[Readout | DeviceMemoryExhausted]:
+        """One call over rows of several requests. Where the device memory (--gpu-memory) cannot hold it, the same
+        rows in two calls, down to one row a call: a row it cannot hold alone gets the error (its request's 503)
+        in place of its readout, and its batch mates their answers."""
+        try:
+            return list(self.engine.run_rows(rows, options))
+        except DeviceMemoryExhausted as exc:
+            if len(rows) == 1:
+                return [exc]
+            half = len(rows) // 2
+            return self._run_rows(rows[:half], options) + self._run_rows(rows[half:], options)
 
     def _fail(self, tickets: list[_Ticket], lane: str, error: BaseException) -> None:
         """The lane's job failed or was stopped: every request in it gets the error."""

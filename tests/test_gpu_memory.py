@@ -1,6 +1,6 @@
 """A bounded device arena (`--gpu-memory`) that cannot hold a call: the call's rows run again in smaller calls,
-and a single row that still does not fit is a 503 with Retry-After (the client may retry), never a 500; a vision
-job of several requests it cannot hold runs each request's media again alone, and only a request whose media does
+and a single row that still does not fit is a 503 with Retry-After (the client may retry), never a 500, for its
+request alone (the requests sharing its call get their answers); a vision job of several requests it cannot hold runs each request's media again alone, and only a request whose media does
 not fit alone fails. The arena itself is onnxruntime's on CUDA; here a CPU session fails past a size exactly as
 onnxruntime words it."""
 
@@ -84,6 +84,43 @@ def test_the_client_gets_503_with_retry_after(d3_artifact):
                                                   "questions": {"q": {"type": "noul", "instructions": "Refund?"}}})
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"] == "1" and "--gpu-memory" in response.json()["error"]["message"]
+
+
+class BoundedTokens(GraphSession):
+    """The CPU session with an arena that holds at most `most_tokens` padded tokens a call."""
+
+    def __init__(self, path, most_tokens: int):
+        super().__init__(path, "cpu")
+        self.most_tokens = most_tokens
+        self.calls: list[int] = []
+
+    def run(self, feeds, run_options=None):
+        rows, length = feeds["input_ids"].shape
+        self.calls.append(rows)
+        if rows * length > self.most_tokens:
+            with memory_errors():
+                raise RuntimeError(ARENA_FULL)
+        return super().run(feeds, run_options)
+
+
+def test_a_shared_call_the_arena_cannot_hold_fails_only_the_request_whose_row_does_not_fit_alone(d3_artifact):
+    service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"))
+    question = {"q": {"type": "noul", "instructions": "Refund?"}}
+    short = [service.prepare({"state": f"Parcel {i} arrived crushed.", "questions": question}) for i in range(3)]
+    long = service.prepare({"state": "The parcel arrived crushed, the box torn open. " * 2, "questions": question})
+    lengths = [len(p.prompts[0].token_ids) for p in (*short, long)]
+    assert max(lengths[:3]) < lengths[3] <= 2 * min(lengths[:3])  # long enough not to fit, close enough to share
+    answers_alone = [service.answer(p) for p in short]
+    session = BoundedTokens(d3_artifact / "text.onnx", most_tokens=max(lengths[:3]))
+    service.engine.runner.session = session
+    scheduler = Scheduler(service.engine, batch_rows=4, batch_wait_s=5.0)
+    futures = [scheduler.submit(p, Deadline()) for p in (short[0], long, short[1], short[2])]
+    with pytest.raises(DeviceMemoryExhausted, match="--gpu-memory"):
+        futures[1].result(timeout=60)
+    for prepared, future, alone in zip(short, (futures[0], futures[2], futures[3]), answers_alone, strict=True):
+        assert service.respond(prepared, future.result(timeout=60))["answers"] == alone["answers"]
+    assert session.calls[0] == 4  # the four requests shared one call before it was split
+    scheduler.close(timeout=30)
 
 
 class BoundedVision(GraphSession):
