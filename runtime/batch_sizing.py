@@ -5,6 +5,7 @@ two CPU cores: one question alone took 7.8 ms, 16.2 ms a question in a batch of 
 guess: the text graph is timed at 1, 2, 4, ... rows of a typical length, and the largest batch that still raised
 questions/s by a clear margin is kept. The same timings give the call's cost model (a fixed part and a part per
 padded token), by which an engine groups one request's rows of different lengths into calls (`BatchBudget.plan`).
+Under a bounded arena (--gpu-memory) the measurement stops at the largest batch the arena holds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..models.errors import DeviceMemoryExhausted
 from .batch import CallCost
 from .engine import Engine
 
@@ -23,6 +25,10 @@ MOST_ROWS = 64
 MIN_GAIN = 1.05
 REPEATS = 3  # timed runs a batch size (the fastest counts), after one untimed run of the new shape
 TIME_LIMIT_S = 5.0  # the measurement stops trying larger batches past this
+
+
+class TooLittleDeviceMemory(RuntimeError):
+    """The bounded arena (--gpu-memory) cannot hold one typical question: the server would answer nothing."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ def fit_call_cost(seconds_by_tokens: dict[int, float]) -> CallCost | None:
 def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int = MOST_ROWS,
                        time_limit_s: float = TIME_LIMIT_S) -> BatchSizing:
     """The most rows a call that still raise questions/s on `engine`'s device (1 for engines that run each request
-    whole)."""
+    whole), at most as many as its arena (--gpu-memory) holds; `TooLittleDeviceMemory` if it holds not even one."""
     if not engine.shares_batches or engine.budget is None:
         return BatchSizing(1)
     length = min(length, engine.max_model_len)
@@ -72,12 +78,19 @@ def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int =
     started = time.perf_counter()
     while batch <= most and engine.budget.fits(batch, length):
         rows = [engine.probe_row(length)] * batch
-        engine.run_rows(rows)  # a shape's first run pays for its allocations
-        times = []
-        for _ in range(REPEATS):
-            start = time.perf_counter()
-            engine.run_rows(rows)
-            times.append(time.perf_counter() - start)
+        try:
+            engine.run_rows(rows)  # a shape's first run pays for its allocations
+            times = []
+            for _ in range(REPEATS):
+                start = time.perf_counter()
+                engine.run_rows(rows)
+                times.append(time.perf_counter() - start)
+        except DeviceMemoryExhausted as exc:
+            if batch == 1:
+                raise TooLittleDeviceMemory(
+                    f"the device memory each graph may use (--gpu-memory) cannot hold one question of {length} "
+                    "tokens in the text graph; give it more") from exc
+            break  # a call of more rows than the arena holds would be split at every use
         seconds[batch] = min(times)
         if batch > 1:
             if batch / seconds[batch] < MIN_GAIN * best / seconds[best]:

@@ -1,6 +1,7 @@
 """A bounded device arena (`--gpu-memory`) that cannot hold a call: the call's rows run again in smaller calls,
 and a single row that still does not fit is a 503 with Retry-After (the client may retry), never a 500, for its
-request alone (the requests sharing its call get their answers); a vision job of several requests it cannot hold runs each request's media again alone, and only a request whose media does
+request alone (the requests sharing its call get their answers); start-up measures calls only as large as the
+arena holds, and one that cannot hold a single question stops `serve` saying so; a vision job of several requests it cannot hold runs each request's media again alone, and only a request whose media does
 not fit alone fails. The arena itself is onnxruntime's on CUDA; here a CPU session fails past a size exactly as
 onnxruntime words it."""
 
@@ -16,6 +17,7 @@ from fastapi.testclient import TestClient
 from systemone.models.errors import DeviceMemoryExhausted, Unavailable
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
+from systemone.runtime.batch_sizing import TooLittleDeviceMemory, measure_batch_rows
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from systemone.runtime.deadline import Deadline
 from systemone.runtime.engine import EngineOptions
@@ -84,6 +86,24 @@ def test_the_client_gets_503_with_retry_after(d3_artifact):
                                                   "questions": {"q": {"type": "noul", "instructions": "Refund?"}}})
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"] == "1" and "--gpu-memory" in response.json()["error"]["message"]
+
+
+def test_start_up_measures_calls_only_as_large_as_the_arena_holds_and_the_server_answers(d3_artifact):
+    service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"))
+    session = BoundedSession(d3_artifact / "text.onnx", most_rows=1)
+    service.engine.runner.session = session
+    client = TestClient(create_app(service))  # measures its batch rows now, in the bounded arena
+    assert 2 in session.calls and service.batch_sizing().rows == 1
+    response = client.post("/v1/systemone", json={"state": "The parcel arrived crushed.",
+                                                  "questions": {"q": {"type": "noul", "instructions": "Refund?"}}})
+    assert response.status_code == 200, response.text
+
+
+def test_an_arena_that_cannot_hold_one_question_stops_start_up_naming_the_flag(d3_artifact):
+    service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"))
+    service.engine.runner.session = BoundedSession(d3_artifact / "text.onnx", most_rows=0)
+    with pytest.raises(TooLittleDeviceMemory, match="--gpu-memory"):
+        measure_batch_rows(service.engine)
 
 
 class BoundedTokens(GraphSession):
