@@ -34,17 +34,18 @@ ARENA_FULL = ("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned whi
 
 
 class BoundedSession(GraphSession):
-    """The CPU session with an arena that holds at most `most_rows` rows a call."""
+    """The CPU session with an arena that holds at most `most_rows` rows, or `most_tokens` padded tokens, a call."""
 
-    def __init__(self, path, most_rows: int):
+    def __init__(self, path, most_rows: int | None = None, most_tokens: int | None = None):
         super().__init__(path, "cpu")
-        self.most_rows = most_rows
+        self.most_rows, self.most_tokens = most_rows, most_tokens
         self.calls: list[int] = []
 
     def run(self, feeds, run_options=None):
-        rows = feeds["input_ids"].shape[0]
+        rows, length = feeds["input_ids"].shape
         self.calls.append(rows)
-        if rows > self.most_rows:
+        if ((self.most_rows is not None and rows > self.most_rows)
+                or (self.most_tokens is not None and rows * length > self.most_tokens)):
             with memory_errors():
                 raise RuntimeError(ARENA_FULL)
         return super().run(feeds, run_options)
@@ -106,23 +107,6 @@ def test_an_arena_that_cannot_hold_one_question_stops_start_up_naming_the_flag(d
         measure_batch_rows(service.engine)
 
 
-class BoundedTokens(GraphSession):
-    """The CPU session with an arena that holds at most `most_tokens` padded tokens a call."""
-
-    def __init__(self, path, most_tokens: int):
-        super().__init__(path, "cpu")
-        self.most_tokens = most_tokens
-        self.calls: list[int] = []
-
-    def run(self, feeds, run_options=None):
-        rows, length = feeds["input_ids"].shape
-        self.calls.append(rows)
-        if rows * length > self.most_tokens:
-            with memory_errors():
-                raise RuntimeError(ARENA_FULL)
-        return super().run(feeds, run_options)
-
-
 def test_a_shared_call_the_arena_cannot_hold_fails_only_the_request_whose_row_does_not_fit_alone(d3_artifact):
     service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"))
     question = {"q": {"type": "noul", "instructions": "Refund?"}}
@@ -131,7 +115,7 @@ def test_a_shared_call_the_arena_cannot_hold_fails_only_the_request_whose_row_do
     lengths = [len(p.prompts[0].token_ids) for p in (*short, long)]
     assert max(lengths[:3]) < lengths[3] <= 2 * min(lengths[:3])  # long enough not to fit, close enough to share
     answers_alone = [service.answer(p) for p in short]
-    session = BoundedTokens(d3_artifact / "text.onnx", most_tokens=max(lengths[:3]))
+    session = BoundedSession(d3_artifact / "text.onnx", most_tokens=max(lengths[:3]))
     service.engine.runner.session = session
     scheduler = Scheduler(service.engine, batch_rows=4, batch_wait_s=5.0)
     futures = [scheduler.submit(p, Deadline()) for p in (short[0], long, short[1], short[2])]
