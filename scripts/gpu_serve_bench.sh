@@ -16,6 +16,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 work=~/work/"$size-$mode"; out="${OUT:-/tmp/out}"; mkdir -p "$out"
 tag="${size}_${mode}${TAG:+_$TAG}"
 cd ~  # keep the repo's systemone/ folder off sys.path (see gpu_bench.sh)
+# A server of an earlier run still stopping would answer this run's health check (seen: a run's first client count
+# met closed ports): wait for both ports to be free.
+for port in 8000 8001; do
+  for _ in $(seq 120); do curl -s -o /dev/null "http://127.0.0.1:$port/health" || break; sleep 0.5; done
+  if curl -s -o /dev/null "http://127.0.0.1:$port/health"; then echo "port $port is still served; stop that server first" >&2; exit 1; fi
+done
 start=$(date +%s.%N)
 # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
 python3 -m systemone.cli serve "$work/artifact" --device cuda --port 8000 ${SERVE_ARGS:-} > "$out/serve_$tag.log" 2>&1 &
@@ -27,7 +33,7 @@ if [ "${REFERENCE:-1}" != 0 ]; then
   pids+=(--reference-pid $!)
   ports+=(8001)
 fi
-trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT  # the servers gone before the next run starts its own
 for port in "${ports[@]}"; do
   until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
     sleep 0.5
