@@ -7,19 +7,18 @@ import subprocess
 import sys
 
 PROBE = """
-import os, sys
+import sys
+from systemone.local_server import rss_mb
 from systemone.server.allocator import release_freed_memory
 if sys.argv[1] == "on":
     assert release_freed_memory()
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 big = bytearray(16 << 20)
 del big  # at glibc's defaults the mmap threshold now rises to 16 MiB
-base = rss()
+base = rss_mb()
 blocks = [bytearray(8 << 20) for _ in range(40)]  # 320 MiB of decoded media, say
 last = blocks[-1]
 del blocks  # all freed but the last
-print((rss() - base) >> 20)
+print(int(rss_mb() - base))
 """
 
 
