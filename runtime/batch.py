@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 
+# Padded tokens one text-graph call may hold by default (--max-batch-tokens): it bounds the activations' memory.
+MAX_BATCH_TOKENS = 32768
 # The whole graph run's peak over its attention scores and probabilities, measured on the tiny d3 model at its
 # longest prompt (4,390 MB of RSS for 4,092 MiB of scores, 1.07x), with room to spare.
 PEAK_OVER_SCORES = 1.125
@@ -41,7 +43,7 @@ class CallCost:
 
 @dataclass(frozen=True)
 class BatchBudget:
-    max_batch_tokens: int = 32768
+    max_batch_tokens: int = MAX_BATCH_TOKENS
     attention_budget: int = 4 << 30
     heads: int = 1
 

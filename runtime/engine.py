@@ -22,7 +22,7 @@ from ..models.family import Family, Labels, Readout
 from ..models.questions import Question
 from ..models.request import DecisionRequest
 from .artifact import Artifact
-from .batch import BatchBudget, CallCost, TextRow
+from .batch import MAX_BATCH_TOKENS, BatchBudget, CallCost, TextRow
 from .media_encoder import LoadedMedia, MediaEncoder
 from .media_fetch import FetchPolicy
 from .prompt import RenderedPrompt
@@ -33,7 +33,7 @@ from .session import GraphSession
 class EngineOptions:
     device: str = "auto"
     max_model_len: int | None = None  # longest prompt; None: the model's (and the memory budget's)
-    max_batch_tokens: int = 32768
+    max_batch_tokens: int = MAX_BATCH_TOKENS
     threads: int | None = None
     attention_budget: int = 4 << 30  # bytes of attention scores one graph call may hold
     fetch_policy: FetchPolicy = field(default_factory=FetchPolicy)

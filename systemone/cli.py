@@ -14,6 +14,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .runtime.batch import MAX_BATCH_TOKENS
 from .runtime.devices import DEVICES, NO_ONNXRUNTIME
 
 API_KEY_ENV = "SYSTEMONE_API_KEY"
@@ -46,7 +47,8 @@ def _service(args: argparse.Namespace):
         allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
         allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes,
         image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout)
-    options = EngineOptions(device=args.device, max_model_len=args.max_model_len, fetch_policy=policy,
+    options = EngineOptions(device=args.device, max_model_len=args.max_model_len,
+                            max_batch_tokens=args.max_batch_tokens, fetch_policy=policy,
                             form=args.form, gpu_memory=_gib_bytes(args.gpu_memory),
                             cuda_graphs=not args.no_cuda_graphs)
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
@@ -161,6 +163,7 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
                        ("cuda graphs", service.cuda_graphs),
                        ("media", service.media_pool.describe()),
                        ("max model len", str(service.max_model_len)),
+                       ("batch tokens", f"{service.engine.budget.max_batch_tokens} padded tokens a call at most"),
                        ("address", f"http://{args.host}:{args.port}/v1/systemone")):
         print(f"systemone serve: {key:<13} {value}", flush=True)
 
@@ -258,6 +261,9 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
                              "TypeSafe's SDK sends it unless told otherwise)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt in tokens (None: the model's positions); nothing is truncated")
+    parser.add_argument("--max-batch-tokens", type=int, default=MAX_BATCH_TOKENS,
+                        help="most padded tokens one text-graph call holds, which bounds the memory its activations "
+                             "take; d3 needs at least --max-model-len (a prompt is one call)")
     media = parser.add_argument_group("media fetching (safe by default)")
     media.add_argument("--allowed-local-media-path", default=None, help="directory file:// URLs may read from")
     media.add_argument("--allowed-media-domains", action="append", default=[],

@@ -110,6 +110,18 @@ def test_serve_prints_what_it_serves(capsys, d3_artifact, monkeypatch):
     assert summary["address"] == "http://127.0.0.1:8123/v1/systemone"
 
 
+@pytest.mark.parametrize(("flag", "held"), [("4096", "4096"), ("512", "1024")])
+def test_max_batch_tokens_bounds_a_text_graph_call_but_never_below_the_longest_d3_prompt(capsys, d3_artifact,
+                                                                                          monkeypatch, flag, held):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    code, out, _ = run(capsys, "serve", str(d3_artifact), "--device", "cpu", "--max-model-len", "1024",
+                       "--max-batch-tokens", flag)
+    assert code == 0
+    assert f"systemone serve: batch tokens  {held} padded tokens a call at most" in out.splitlines()
+
+
 def test_ask_answers_the_sample_request(capsys, d3_artifact):
     code, out, _ = run(capsys, "ask", str(d3_artifact), "--request", str(REQUEST), "--device", "cpu")
     assert code == 0 and json.loads(out)["model"] == "d3-tiny"
