@@ -1,16 +1,24 @@
-"""Padded batches for the text graphs, the memory budget that bounds them, and the media rows they carry.
+"""Padded batches for the text graphs, the memory budget that bounds them, the media rows they carry, and a
+call the device memory refuses run again in halves.
 
-Both families' text graphs materialise full-attention scores (O(length x (past + length)) a head), so every batch
-is planned within a padded-token budget and an attention-memory budget; the same rule bounds the longest prompt
-and the chunk a prefix is prefilled in.
+Both families' portable text graphs materialise full-attention scores (O(length x (past + length)) a head; d3's
+CUDA form does not, and keeps the same bounds so that every form accepts the same prompts), so every batch is
+planned within a padded-token budget and an attention-memory budget; the same rule bounds the longest prompt and
+the chunk a prefix is prefilled in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+
+from ..models.errors import DeviceMemoryExhausted
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 # Padded tokens one text-graph call may hold by default (--max-batch-tokens): it bounds the activations' memory.
@@ -157,3 +165,15 @@ class MediaRows:
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {"media_embeds": self.embeds, "media_index": self.positions}
+
+
+def run_in_halves(run: Callable[[Sequence[T]], Sequence[R]], items: Sequence[T]) -> list[R | DeviceMemoryExhausted]:
+    """`run(items)`, one result an item; where the device memory (--gpu-memory) cannot hold the call, the same items
+    in two calls, down to one item a call: an item it cannot hold alone gets the error in place of its result."""
+    try:
+        return list(run(items))
+    except DeviceMemoryExhausted as exc:
+        if len(items) == 1:
+            return [exc]
+        half = len(items) // 2
+        return run_in_halves(run, items[:half]) + run_in_halves(run, items[half:])

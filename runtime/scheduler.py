@@ -42,7 +42,7 @@ import onnxruntime as ort
 
 from ..models.errors import DeviceMemoryExhausted, Unavailable
 from ..models.family import Readout
-from .batch import TextRow
+from .batch import TextRow, run_in_halves
 from .deadline import Deadline
 from .engine import Engine, Prepared
 
@@ -366,7 +366,8 @@ class Scheduler:
             tickets = list(dict.fromkeys(t for t, _, _ in taken))
             options = self._start(tickets, TEXT)
             try:
-                readouts = self._run_rows([row for _, _, row in taken], options)
+                readouts = run_in_halves(lambda rows: self.engine.run_rows(list(rows), options),
+                                         [row for _, _, row in taken])
             except Exception as exc:  # noqa: BLE001 - every request in the call gets it
                 self._fail(tickets, TEXT, exc)
                 return
@@ -382,18 +383,6 @@ class Scheduler:
                     if ticket in self._tickets and not ticket.pending and all(r is not None for r in ticket.readouts):
                         self._finish(ticket)
         return run
-
-    def _run_rows(self, rows: list[TextRow], options: Any) -> list[Readout | DeviceMemoryExhausted]:
-        """One call over rows of several requests. Where the device memory (--gpu-memory) cannot hold it, the same
-        rows in two calls, down to one row a call: a row it cannot hold alone gets the error (its request's 503)
-        in place of its readout, and its batch mates their answers."""
-        try:
-            return list(self.engine.run_rows(rows, options))
-        except DeviceMemoryExhausted as exc:
-            if len(rows) == 1:
-                return [exc]
-            half = len(rows) // 2
-            return self._run_rows(rows[:half], options) + self._run_rows(rows[half:], options)
 
     def _fail(self, tickets: list[_Ticket], lane: str, error: BaseException) -> None:
         """The lane's job failed or was stopped: every request in it gets the error."""

@@ -20,7 +20,9 @@ cd ~  # keep the repo's systemone/ folder off sys.path (see gpu_bench.sh)
 # met closed ports): wait for both ports to be free.
 for port in 8000 8001; do
   for _ in $(seq 120); do curl -s -o /dev/null "http://127.0.0.1:$port/health" || break; sleep 0.5; done
-  if curl -s -o /dev/null "http://127.0.0.1:$port/health"; then echo "port $port is still served; stop that server first" >&2; exit 1; fi
+  if curl -s -o /dev/null "http://127.0.0.1:$port/health"; then
+    echo "port $port is still served; stop that server first" >&2; exit 1
+  fi
 done
 start=$(date +%s.%N)
 # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags

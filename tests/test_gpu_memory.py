@@ -1,9 +1,9 @@
 """A bounded device arena (`--gpu-memory`) that cannot hold a call: the call's rows run again in smaller calls,
 and a single row that still does not fit is a 503 with Retry-After (the client may retry), never a 500, for its
 request alone (the requests sharing its call get their answers); start-up measures calls only as large as the
-arena holds, and one that cannot hold a single question stops `serve` saying so; a vision job of several requests it cannot hold runs each request's media again alone, and only a request whose media does
-not fit alone fails. The arena itself is onnxruntime's on CUDA; here a CPU session fails past a size exactly as
-onnxruntime words it."""
+arena holds, and one that cannot hold a single question stops `serve` saying so; a vision job of several requests
+it cannot hold runs each request's media again alone, and only a request whose media does not fit alone fails.
+The arena itself is onnxruntime's on CUDA; here a CPU session fails past a size exactly as onnxruntime words it."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...models.errors import DeviceMemoryExhausted
-from ..batch import BatchBudget, CallCost, MediaRows, TextRow, pad_right
+from ..batch import BatchBudget, CallCost, MediaRows, TextRow, pad_right, run_in_halves
 from ..cuda_graphs import RUNS_TO_CAPTURE
 from ..session import GraphSession
 
@@ -91,17 +91,10 @@ class CodeLogitsRunner:
     def run_rows(self, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
         """Code logits [len(rows), n_codes] float32, in row order, in padded sub-batches within the budget."""
         out: list[np.ndarray | None] = [None] * len(rows)
-        groups = self.budget.plan([row.length for row in rows], cost=self.cost)
-        while groups:
-            group = groups.pop(0)
-            try:
-                logits = self.run_batch([rows[i] for i in group], run_options)
-            except DeviceMemoryExhausted:
-                if len(group) == 1:
-                    raise
-                # The arena (--gpu-memory) cannot hold this call now: the same rows in two calls.
-                groups[:0] = [group[:len(group) // 2], group[len(group) // 2:]]
-                continue
-            for position, index in enumerate(group):
-                out[index] = logits[position]
+        for group in self.budget.plan([row.length for row in rows], cost=self.cost):
+            results = run_in_halves(lambda part: self.run_batch([rows[i] for i in part], run_options), group)
+            for index, result in zip(group, results, strict=True):
+                if isinstance(result, DeviceMemoryExhausted):
+                    raise result  # a row the arena cannot hold alone: the request cannot be answered now
+                out[index] = result
         return np.stack(out)
