@@ -188,6 +188,17 @@ def drop_twin_casts(graph) -> None:
             made[output] = key
 
 
+def drop_unread_norm_statistics(graph) -> None:
+    """A fused norm's mean and inverse deviation (optional outputs 1 and 2) lose their names where nothing reads
+    them: the exporter names every output, and onnxruntime's CUDA kernel never writes these two."""
+    read = {v.name for v in graph.output} | {name for node in graph.node for name in node.input}
+    for node in graph.node:
+        if node.op_type == "SkipSimplifiedLayerNormalization":
+            for index in (1, 2):
+                if index < len(node.output) and node.output[index] not in read:
+                    node.output[index] = ""
+
+
 def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], precision: Precision = FLOAT16
                     ) -> None:
     """Write `source` (an fp32 ONNX graph) as a graph at `precision` at `target`, its weights beside it in
@@ -219,6 +230,7 @@ def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], pre
     drop_twin_casts(half.graph)
     join_fp32_islands(half.graph, kept, fp32_weights)
     drop_dead_nodes(half.graph)
+    drop_unread_norm_statistics(half.graph)
 
     used = {name for node in half.graph.node for name in node.input}
     unused = [t for t in half.graph.initializer if t.name not in used]  # fp16 copies of restored weights

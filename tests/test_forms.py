@@ -307,15 +307,20 @@ def test_the_mixed_precision_runs_as_torch_autocast(d3_artifact, tmp_path):
     assert sum(made_by(n.input[0]) == "Add" for n in squares) >= 4
 
 
-def test_the_mixed_fused_form_keeps_the_delta_rules_output_in_fp16_through_the_gated_norm(d3_checkpoint, d3_artifact,
-                                                                                          tmp_path):
-    """The delta rule's fp16 output reaches the out projection without a round trip through fp32: `GatedRMSNorm`
-    (fp32 arithmetic inside its kernel) reads it, its gate and its weight in fp16 and writes fp16."""
-    out = tmp_path / "art"
+@pytest.fixture(scope="module")
+def mixed_fused_text(d3_checkpoint, d3_artifact, tmp_path_factory):
+    """The text graph of the cuda-fused-mixed form, written (gated) into a copy of the tiny d3 artifact."""
+    out = tmp_path_factory.mktemp("mixed") / "art"
     shutil.copytree(d3_artifact, out)
     manifest = add_forms(str(d3_checkpoint), out, forms=["cuda-fused-mixed"])
     assert manifest.forms["cuda-fused-mixed"].refused is None
-    half = onnx.load(str(out / "text.cuda-fused-mixed.onnx"), load_external_data=False).graph
+    return onnx.load(str(out / "text.cuda-fused-mixed.onnx"), load_external_data=False).graph
+
+
+def test_the_mixed_fused_form_keeps_the_delta_rules_output_in_fp16_through_the_gated_norm(mixed_fused_text):
+    """The delta rule's fp16 output reaches the out projection without a round trip through fp32: `GatedRMSNorm`
+    (fp32 arithmetic inside its kernel) reads it, its gate and its weight in fp16 and writes fp16."""
+    half = mixed_fused_text
     types = {v.name: v.type.tensor_type.elem_type for v in half.value_info}
     types.update({t.name: t.data_type for t in half.initializer})
     producer = {o: n for n in half.node for o in n.output}
@@ -328,6 +333,36 @@ def test_the_mixed_fused_form_keeps_the_delta_rules_output_in_fp16_through_the_g
             path.append(producer[value])
             value = producer[value].input[0]
         assert not any(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT for n in path), path
+
+
+def test_the_mixed_fused_form_adds_each_blocks_output_to_the_stream_inside_the_next_norm(mixed_fused_text,
+                                                                                            d3_checkpoint):
+    """Every norm of the residual stream after the first is one `SkipSimplifiedLayerNormalization` node: it reads
+    the fp32 stream and the block's output, writes the norm and the new stream in fp32, and its mean and deviation
+    go unnamed; no separate sum of the stream is left."""
+    from systemone.export.d3.config import D3ExportConfig
+
+    half = mixed_fused_text
+    layers = D3ExportConfig(d3_checkpoint).model.config.text_config.num_hidden_layers
+    types = {v.name: v.type.tensor_type.elem_type for v in [*half.value_info, *half.input, *half.output]}
+    types.update({t.name: t.data_type for t in half.initializer})
+    norms = [n for n in half.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert len(norms) == 2 * layers  # the post-mixer norm of each layer, then the next layer's (or the final) one
+    for norm in norms:
+        assert norm.domain == "com.microsoft"
+        assert [types[name] for name in (*norm.input, norm.output[0], norm.output[3])] == [onnx.TensorProto.FLOAT] * 5
+        assert list(norm.output[1:3]) == ["", ""]
+    streams = {norm.output[3] for norm in norms}
+    producer = {o: n for n in half.node for o in n.output}
+
+    def source(value: str) -> str:
+        while value in producer and producer[value].op_type == "Identity":
+            value = producer[value].input[0]
+        return value
+
+    assert [norm.input[0] for norm in norms[1:]] and all(source(norm.input[0]) in streams for norm in norms[1:])
+    stream_sums = [n for n in half.node if n.op_type == "Add" and any(source(i) in streams for i in n.input)]
+    assert stream_sums == []
 
 
 def test_a_form_onnxruntime_cannot_run_is_refused_and_the_next_one_is_tried(d3_checkpoint, d3_artifact, tmp_path,

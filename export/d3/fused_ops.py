@@ -16,6 +16,9 @@ inputs and attributes by it). The nodes, and the sums they compute:
   tensor-core engine runs only with fp16 query/key/value (128-wide heads): the node reads them in fp16; decay,
   update rate and state stay fp32 (the op's contract).
 - `GatedRMSNorm` (SiLU gate): y = x / sqrt(mean(x^2) + eps) * w * silu(z), over each head's values.
+- `SkipSimplifiedLayerNormalization`: the residual sum s = x + u and the RMS norm s / sqrt(mean(s^2) + eps) * w of
+  it, both returned, in fp32: one kernel for each layer's sum and the next norm, where onnxruntime ran an Add and a
+  norm that read the sum again (its own fusion passes a sum that anything else reads).
 - `RotaryEmbedding` (not interleaved; one cos/sin row a patch, position i reading row i): the vision blocks' 2-D
   rotary, x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), one kernel for query and one for key in place of
   eleven nodes, in fp32.
@@ -77,6 +80,12 @@ ROTARY_EMBEDDING = _op("RotaryEmbedding", [_Param("input", "T"), _Param("positio
                        [_Param("output", "T")], [("T", _HALF_OR_FLOAT, ""), ("M", ["tensor(int64)"], "")],
                        {"num_heads": _AttrType.INT, "interleaved": _AttrType.INT})
 FAST_GELU = _op("FastGelu", [_Param("X", "T")], [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")], {})
+SKIP_RMS_NORM = _op("SkipSimplifiedLayerNormalization",
+                    [_Param("input", "T"), _Param("skip", "T"), _Param("gamma", "T")],
+                    [_Param("output", "T"), _Param("mean", "U", param_option=_Option.Optional),
+                     _Param("inv_std_var", "U", param_option=_Option.Optional),
+                     _Param("input_skip_bias_sum", "T", param_option=_Option.Optional)],
+                    [("T", _HALF_OR_FLOAT, ""), ("U", ["tensor(float)"], "")], {"epsilon": _AttrType.FLOAT})
 GATED_RMS_NORM = _op("GatedRMSNorm", [_Param("X", "T"), _Param("scale", "T"), _Param("gate", "T")],
                      [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")],
                      {"epsilon": _AttrType.FLOAT, "activation": _AttrType.STRING})
@@ -146,6 +155,25 @@ def _(x, weight, gate, eps):
 
 def _gated_rms_norm(x: FLOAT, weight: FLOAT, gate: FLOAT, eps: float) -> FLOAT:
     return GATED_RMS_NORM(x, weight, gate, epsilon=eps, activation="silu")
+
+
+# -- the residual sum and the norm after it ------------------------------------------------------------------------
+@torch.library.custom_op("systemone::skip_rms_norm", mutates_args=())
+def skip_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, update [..., C], weight [C], fp32 -> (the RMS norm of x + update, scaled by weight; x + update)."""
+    total = x + update
+    return total / torch.sqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight, total
+
+
+@skip_rms_norm.register_fake
+def _(x, update, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _skip_rms_norm(x: FLOAT, update: FLOAT, weight: FLOAT, eps: float) -> tuple[FLOAT, FLOAT]:
+    normed, _, _, total = SKIP_RMS_NORM(x, update, weight, epsilon=eps)
+    return normed, total
 
 
 # -- the vision tower's attention ---------------------------------------------------------------------------------
@@ -253,6 +281,7 @@ def _fast_gelu(x: FLOAT) -> FLOAT:
 TRANSLATIONS = {torch.ops.systemone.causal_conv_silu.default: _causal_conv,
                 torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
                 torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm,
+                torch.ops.systemone.skip_rms_norm.default: _skip_rms_norm,
                 torch.ops.systemone.segment_attention.default: _segment_attention,
                 torch.ops.systemone.padded_attention.default: _padded_attention,
                 torch.ops.systemone.patch_rotary.default: _patch_rotary,

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..short_conv import shifted_conv
 from .delta_rule import chunk_gated_delta_rule
-from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention
+from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention, skip_rms_norm
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,9 +48,10 @@ class GatedDeltaNetLayer(nn.Module):
         self.hf = hf
         self.fused = fused
 
-    def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # transformers zeroes the padding's rows first; rows here are right-padded, and the convolution and the
+        # delta rule only read back in time, so padding never reaches a real token: no mask, one pass less.
         hf = self.hf
-        hidden = hidden * pad_mask[:, :, None].to(hidden.dtype)
         batch, length, _ = hidden.shape
         if self.fused:
             mixed = causal_conv_silu(hf.in_proj_qkv(hidden), hf.conv1d.weight)
@@ -190,18 +191,27 @@ class D3TextGraph(nn.Module):
         # The fused layers bound each row by its length; the portable ones add the mask to their scores.
         additive = None if self.fused else self._attention_mask(attention_mask, dtype)
         lengths = attention_mask.sum(dim=1)
-        pad_mask = attention_mask
+        update = None  # what the last block adds to the residual stream, summed in by the next norm
         for layer, mixer in zip(self.layers, self.mixers):
-            residual = hidden
-            normed = _norm_1p(layer.input_layernorm, hidden)
+            normed, hidden = self._add_norm(hidden, update, layer.input_layernorm)
             if isinstance(mixer, GatedDeltaNetLayer):
-                mixed = mixer(normed, pad_mask)
+                mixed = mixer(normed)
             else:
                 mixed = mixer(normed, cos, sin, additive, lengths)
-            hidden = residual + mixed
-            residual = hidden
-            hidden = residual + layer.mlp(_norm_1p(layer.post_attention_layernorm, hidden))
-        return _norm_1p(self.final_norm, hidden)
+            normed, hidden = self._add_norm(hidden, mixed, layer.post_attention_layernorm)
+            update = layer.mlp(normed)
+        return self._add_norm(hidden, update, self.final_norm)[0]
+
+    def _add_norm(self, hidden: torch.Tensor, update: torch.Tensor | None, norm: nn.Module
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of the residual stream after `update` is added, the stream); fused: one node for both."""
+        if update is None:
+            return _norm_1p(norm, hidden), hidden
+        if self.fused:
+            normed, hidden = skip_rms_norm(hidden.float(), update.float(), 1.0 + norm.weight.float(), norm.eps)
+            return normed.to(update.dtype), hidden.to(update.dtype)
+        hidden = hidden + update
+        return _norm_1p(norm, hidden), hidden
 
     def forward(self, input_ids, attention_mask, position_ids, media_embeds, media_index):
         hidden = self.hidden_states(input_ids, attention_mask, position_ids, media_embeds, media_index)
