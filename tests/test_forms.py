@@ -413,6 +413,12 @@ def test_the_gate_holds_max_and_median():
         gate_answers(pairs(200, [0.704, 0.296], [0.7, 0.3]))
 
 
+def test_a_nan_probability_fails_the_gate_wherever_it_lies():
+    nan_later = pairs(200, [0.7, 0.3], [0.7, 0.3]) + pairs(1, [float("nan"), 0.3], [0.7, 0.3])
+    with pytest.raises(ParityError, match=r"max \|dp\| nan > 0.02"):
+        gate_answers(nan_later)
+
+
 def test_the_gate_counts_the_questions_whose_prompts_carry_media():
     with_media = [QuestionPair(f"m{i}", [0.7, 0.3], [0.7, 0.3], media=True) for i in range(3)]
     report = gate_answers(pairs(200, [0.7, 0.3], [0.7, 0.3]) + with_media)

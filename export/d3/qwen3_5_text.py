@@ -48,10 +48,14 @@ class GatedDeltaNetLayer(nn.Module):
         self.hf = hf
         self.fused = fused
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # transformers zeroes the padding's rows first; rows here are right-padded, and the convolution and the
-        # delta rule only read back in time, so padding never reaches a real token: no mask, one pass less.
+    def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
         hf = self.hf
+        if not self.fused:
+            # The padding's rows zeroed, as transformers does. Rows are right-padded and the layer reads only back
+            # in time, yet without it the portable graph's d3-nano export gave NaN on padded rows: its chunk solve
+            # mixes a chunk's rows in products, and 0 x inf is NaN (docs/gpu.md, "Fourteenth run"). The fused
+            # node's kernel, gated at d3-nano on CUDA without it, saves the pass.
+            hidden = hidden * pad_mask[:, :, None].to(hidden.dtype)
         batch, length, _ = hidden.shape
         if self.fused:
             mixed = causal_conv_silu(hf.in_proj_qkv(hidden), hf.conv1d.weight)
@@ -195,7 +199,7 @@ class D3TextGraph(nn.Module):
         for layer, mixer in zip(self.layers, self.mixers):
             normed, hidden = self._add_norm(hidden, update, layer.input_layernorm)
             if isinstance(mixer, GatedDeltaNetLayer):
-                mixed = mixer(normed)
+                mixed = mixer(normed, attention_mask)
             else:
                 mixed = mixer(normed, cos, sin, additive, lengths)
             normed, hidden = self._add_norm(hidden, mixed, layer.post_attention_layernorm)
