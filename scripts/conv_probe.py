@@ -27,7 +27,8 @@ def graphs(channels: int, taps: int) -> dict[str, object]:
 
     def model(nodes, inits, inputs=(x,), outputs=(y,)):
         graph = helper.make_graph(nodes, "conv", list(inputs), list(outputs), inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), ms])
+        # IR version 10: onnxruntime 1.31 refuses the newer one onnx's helper writes by default.
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), ms], ir_version=10)
 
     w = numpy_helper.from_array(weight, "w")
     made = {"causal_conv_with_state, channels last": model(
