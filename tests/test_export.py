@@ -29,6 +29,7 @@ def test_artifact_is_self_contained(d3_artifact, d3_checkpoint):
     assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(manifest["versions"])
     parity = manifest["parity"]
     assert [s["tokens"] for s in parity["samples"][:5]] == [1, 7, 77, 200, 1000]
+    assert parity["samples"][5]["sample"] == "repeated-200"  # one token 200 times: the delta rule's hard case
     assert parity["samples"][-1]["sample"] == "media-embeds"
     assert parity["max_abs_prob_diff"] <= 1e-4
     # The graph reads its weights from external data next to it.
