@@ -91,6 +91,14 @@ GATED_RMS_NORM = _op("GatedRMSNorm", [_Param("X", "T"), _Param("scale", "T"), _P
                      {"epsilon": _AttrType.FLOAT, "activation": _AttrType.STRING})
 
 
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over the root of its mean square along the last axis: the RMS norm before its scale, as the portable graph
+    computes it and the norms' eager bodies below do."""
+    # Divided by the root rather than times its reciprocal: the pattern onnxruntime fuses into one
+    # SimplifiedLayerNormalization kernel (fp32 accumulation, one launch instead of six).
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 # -- the short convolution ---------------------------------------------------------------------------------------
 @torch.library.custom_op("systemone::causal_conv_silu", mutates_args=())
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -144,7 +152,7 @@ def _gated_delta_net(query: FLOAT, key: FLOAT, value: FLOAT, a: FLOAT, b: FLOAT,
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """x, gate [..., H * C], weight [C], fp32: each head's C values normalised, scaled, gated by silu(gate)."""
     heads = x.reshape(*x.shape[:-1], -1, weight.shape[0])
-    normed = heads / torch.sqrt(heads.pow(2).mean(-1, keepdim=True) + eps) * weight
+    normed = rms(heads, eps) * weight
     return (normed.reshape(x.shape) * F.silu(gate)).contiguous()
 
 
@@ -163,7 +171,7 @@ def skip_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, e
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, update [..., C], weight [C], fp32 -> (the RMS norm of x + update, scaled by weight; x + update)."""
     total = x + update
-    return total / torch.sqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight, total
+    return rms(total, eps) * weight, total
 
 
 @skip_rms_norm.register_fake

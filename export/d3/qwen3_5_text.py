@@ -25,18 +25,12 @@ from torch import nn
 
 from ..short_conv import shifted_conv
 from .delta_rule import chunk_gated_delta_rule
-from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention, skip_rms_norm
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    # Divided by the root rather than times its reciprocal: the pattern onnxruntime fuses into one
-    # SimplifiedLayerNormalization kernel (fp32 accumulation, one launch instead of six).
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention, rms, skip_rms_norm
 
 
 def _norm_1p(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Qwen3.5 RMSNorm, `(1 + w)` form, computed in float32."""
-    return (_rms(x.float(), norm.eps) * (1.0 + norm.weight.float())).to(x.dtype)
+    return (rms(x.float(), norm.eps) * (1.0 + norm.weight.float())).to(x.dtype)
 
 
 class GatedDeltaNetLayer(nn.Module):
@@ -83,7 +77,7 @@ class GatedDeltaNetLayer(nn.Module):
         beta = hf.in_proj_b(hidden).sigmoid()
         g = -hf.A_log.float().exp() * F.softplus(hf.in_proj_a(hidden).float() + hf.dt_bias)
         core = chunk_gated_delta_rule(query, key, value, g, beta).to(hidden.dtype)
-        gated = _rms(core.float(), norm.variance_epsilon).to(hidden.dtype) * norm.weight
+        gated = rms(core.float(), norm.variance_epsilon).to(hidden.dtype) * norm.weight
         gated = (gated * F.silu(z.float())).to(hidden.dtype)
         return hf.out_proj(gated.reshape(batch, length, -1))
 
