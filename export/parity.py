@@ -77,7 +77,7 @@ def check_parity(run_graph: Callable[..., np.ndarray], reference: Callable[..., 
     # Written as "not within", so that a NaN difference (a non-finite logit on either side) fails.
     bad = [r for r in rows if not (r["max_abs_logit_diff"] <= atol and r["max_abs_prob_diff"] <= prob_atol)]
     if bad:
-        worst = max(bad, key=lambda r: r["max_abs_logit_diff"])
+        worst = max(bad, key=lambda r: np.nan_to_num(r["max_abs_logit_diff"], nan=np.inf))  # a NaN is the worst
         raise ParityError(f"exported graph disagrees with the torch model on {len(bad)} of {len(rows)} samples "
                           f"(worst: {worst['sample']}, {worst['tokens']} tokens, logit diff "
                           f"{worst['max_abs_logit_diff']:.3g} > {atol:g} or prob diff "

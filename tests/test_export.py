@@ -73,10 +73,11 @@ def test_parity_gate_reports_the_worst_sample():
 
 
 def test_parity_fails_on_a_nan_logit_wherever_it_lies():
-    """Seen on a d3-nano export: NaN logits on some padded rows passed, since NaN > atol is false."""
-    prompts = [("fine", [1, 2, 3]), ("nan", [4, 5]), ("fine-too", [6])]
-    graph = np.array([[0.0, 1.0], [np.nan, 1.0], [0.0, 1.0]], dtype=np.float32)
-    with pytest.raises(ParityError, match="1 of 3 samples .*worst: nan, 2 tokens, logit diff nan"):
+    """Seen on a d3-nano export: NaN logits on some padded rows passed, since NaN > atol is false. The message
+    names the NaN sample as the worst, even beside a finite sample that also fails."""
+    prompts = [("fine", [1, 2, 3]), ("off", [7]), ("nan", [4, 5]), ("fine-too", [6])]
+    graph = np.array([[0.0, 1.0], [0.5, 1.0], [np.nan, 1.0], [0.0, 1.0]], dtype=np.float32)
+    with pytest.raises(ParityError, match="2 of 4 samples .*worst: nan, 2 tokens, logit diff nan"):
         check_parity(lambda _, media=None: graph, lambda ids, media=None: np.array([0.0, 1.0]), prompts, 1.0, 2e-3,
                      1e-4)
 
