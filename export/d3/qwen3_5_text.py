@@ -28,6 +28,13 @@ from .delta_rule import chunk_gated_delta_rule
 from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention, rms, skip_rms_norm
 
 
+def _slices(weight: torch.Tensor, sizes: list[int]) -> nn.ParameterList:
+    """`weight`'s leading rows cut into blocks of `sizes`, each a weight of its own (the export writes each as one
+    initializer, where a slice of one would be a node)."""
+    return nn.ParameterList(nn.Parameter(part.detach().clone(), requires_grad=False)
+                            for part in torch.split(weight, sizes))
+
+
 def _norm_1p(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Qwen3.5 RMSNorm, `(1 + w)` form, computed in float32."""
     return (rms(x.float(), norm.eps) * (1.0 + norm.weight.float())).to(x.dtype)
@@ -41,6 +48,14 @@ class GatedDeltaNetLayer(nn.Module):
         super().__init__()
         self.hf = hf
         self.fused = fused
+        if fused:
+            # One product and one convolution each for query, key and value, on row slices of the joint weights:
+            # the node reads them apart, and a Split of the joint output was one more copy of it a layer.
+            sizes = [hf.key_dim, hf.key_dim, hf.value_dim]
+            if hf.in_proj_qkv.bias is not None or hf.conv1d.bias is not None:
+                raise ValueError("the fused Gated DeltaNet layer takes no in-projection or convolution bias")
+            self.qkv_weights = _slices(hf.in_proj_qkv.weight, sizes)
+            self.conv_weights = _slices(hf.conv1d.weight, sizes)
 
     def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
         hf = self.hf
@@ -53,11 +68,12 @@ class GatedDeltaNetLayer(nn.Module):
             hidden = hidden * pad_mask[:, :, None].to(hidden.dtype)
         batch, length, _ = hidden.shape
         if self.fused:
-            mixed = causal_conv_silu(hf.in_proj_qkv(hidden), hf.conv1d.weight)
+            query, key, value = (causal_conv_silu(F.linear(hidden, weight), conv)
+                                 for weight, conv in zip(self.qkv_weights, self.conv_weights))
         else:
             window = F.pad(hf.in_proj_qkv(hidden).transpose(1, 2), (hf.conv_kernel_size - 1, 0))  # zeros first
             mixed = F.silu(shifted_conv(window, hf.conv1d.weight[:, 0, :], length)).transpose(1, 2)
-        query, key, value = torch.split(mixed, [hf.key_dim, hf.key_dim, hf.value_dim], dim=-1)
+            query, key, value = torch.split(mixed, [hf.key_dim, hf.key_dim, hf.value_dim], dim=-1)
         query = query.reshape(batch, length, -1, hf.head_k_dim)
         key = key.reshape(batch, length, -1, hf.head_k_dim)
         value = value.reshape(batch, length, -1, hf.head_v_dim)
@@ -91,13 +107,24 @@ class FullAttentionLayer(nn.Module):
         self.hf = hf
         self.fused = fused
         self.causal = causal
+        if fused:
+            # The query and its output gate as two products (each head's rows are [query; gate]), not one split.
+            if hf.q_proj.bias is not None:
+                raise ValueError("the fused attention layer takes no query projection bias")
+            heads = hf.q_proj.weight.view(-1, 2, hf.head_dim, hf.q_proj.weight.shape[-1])  # [H, (q, gate), D, in]
+            rows = heads.shape[0] * hf.head_dim
+            self.query_weight, self.gate_weight = _slices(heads.transpose(0, 1).reshape(2 * rows, -1), [rows, rows])
 
     def forward(self, hidden, cos, sin, additive_mask, lengths):
         hf = self.hf
         batch, length, _ = hidden.shape
         head_dim = hf.head_dim
-        query, gate = torch.chunk(hf.q_proj(hidden).view(batch, length, -1, head_dim * 2), 2, dim=-1)
-        gate = gate.reshape(batch, length, -1)
+        if self.fused:
+            query = F.linear(hidden, self.query_weight).view(batch, length, -1, head_dim)
+            gate = F.linear(hidden, self.gate_weight)
+        else:
+            query, gate = torch.chunk(hf.q_proj(hidden).view(batch, length, -1, head_dim * 2), 2, dim=-1)
+            gate = gate.reshape(batch, length, -1)
         query = _norm_1p(hf.q_norm, query).transpose(1, 2)
         key = _norm_1p(hf.k_norm, hf.k_proj(hidden).view(batch, length, -1, head_dim)).transpose(1, 2)
         value = hf.v_proj(hidden).view(batch, length, -1, head_dim).transpose(1, 2)
