@@ -1,9 +1,11 @@
-"""A probe, not a product path: the Gated DeltaNet short convolution (depthwise, causal, 4 taps, SiLU) written four
+"""A probe, not a product path: the Gated DeltaNet short convolution (depthwise, causal, 4 taps, SiLU) written five
 ways as one-op-family ONNX graphs in fp16, each timed on CUDA over d3-nano's shapes with inputs and outputs bound
 on the device. `CausalConvWithState` took 7.9 of 75 GPU ms at 8 x 1000 in the thirteenth run, moving its tensor at
 about a tenth of the H200's memory bandwidth (docs/gpu.md): this says whether another writing is faster.
 
     python scripts/conv_probe.py [--channels 6144] [--shapes 8x1000 32x200] [--repeats 50]
+
+(6144 channels: query, key and value in one node, as the fused form had them until it wrote one node each: 2048.)
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def graphs(channels: int, taps: int) -> dict[str, object]:
         helper.make_node("Transpose", ["c"], ["ct"], perm=[0, 2, 1]),
         helper.make_node("QuickGelu", ["ct"], ["y"], domain="com.microsoft", alpha=1.0)],
         [w4, numpy_helper.from_array(np.array([2], np.int64), "two")])
+    # The same grouped Conv between the transposes to and from channels first, in a session that prefers NHWC:
+    # onnxruntime's layout pass then runs cuDNN's convolution channels last, and its transposes cancel ours.
+    made["grouped Conv fp16, NHWC session (prefer_nhwc)"] = model([
+        helper.make_node("Unsqueeze", ["x", "one"], ["x4"]),
+        helper.make_node("Transpose", ["x4"], ["xt"], perm=[0, 3, 1, 2]),
+        helper.make_node("Conv", ["xt", "w4"], ["c4"], group=channels, pads=[0, taps - 1, 0, 0],
+                         kernel_shape=[1, taps]),
+        helper.make_node("Transpose", ["c4"], ["ct"], perm=[0, 2, 3, 1]),
+        helper.make_node("Squeeze", ["ct", "one"], ["c"]),
+        helper.make_node("QuickGelu", ["c"], ["y"], domain="com.microsoft", alpha=1.0)],
+        [w4, numpy_helper.from_array(np.array([1], np.int64), "one")])
     # Shifted products: x padded with K - 1 zero rows in front, K slices, K products, K - 1 sums, SiLU.
     nodes = [helper.make_node("Pad", ["x", "pads"], ["xp"])]
     inits = [numpy_helper.from_array(np.array([0, taps - 1, 0, 0, 0, 0], np.int64), "pads")]
@@ -71,10 +84,14 @@ def graphs(channels: int, taps: int) -> dict[str, object]:
     return made
 
 
-def time_graph(model, shape: tuple[int, int, int], repeats: int) -> tuple[float, np.ndarray]:
+def time_graph(name: str, model, shape: tuple[int, int, int], repeats: int) -> tuple[float, np.ndarray]:
     import onnxruntime as ort
 
-    session = ort.InferenceSession(model.SerializeToString(), providers=[("CUDAExecutionProvider", {})])
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # the CUDA and cuDNN libraries of the pip packages
+
+    options = {"prefer_nhwc": "1"} if "prefer_nhwc" in name else {}
+    session = ort.InferenceSession(model.SerializeToString(), providers=[("CUDAExecutionProvider", options)])
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float16)
     x_gpu = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
     binding = session.io_binding()
@@ -110,7 +127,7 @@ def main() -> None:
             channels_first = "channels first" in name
             shape = (batch, args.channels, length) if channels_first else (batch, length, args.channels)
             try:
-                ms, y = time_graph(model, shape, args.repeats)
+                ms, y = time_graph(name, model, shape, args.repeats)
             except Exception as exc:  # the probe records what a writing cannot do
                 report[text][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 continue

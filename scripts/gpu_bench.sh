@@ -11,6 +11,8 @@
 #                                                       of the text graph and (d3) the media requests' stages
 #   bash scripts/gpu_bench.sh media SIZE MODE           (d3) the media requests' stages alone; on the tiny model
 #                                                       the fetch, decode and preprocessing rows are d3-nano's
+#   bash scripts/gpu_bench.sh probes SIZE MODE          GatedDeltaNet and the short convolution alone (SIZE, MODE unused)
+#   bash scripts/gpu_bench.sh logits SIZE MODE          each text graph's code logits against torch fp32, prompt by prompt
 #   bash scripts/gpu_bench.sh vision SIZE MODE          (d3) the vision graphs' segments one run each against one
 #                                                       run of all, and the served form's profile on the seeds'
 #                                                       photo, one of its video's frame groups and all ten
@@ -86,6 +88,18 @@ print(sys.argv[2], r['form'], 'host ms/run', round(r['kernel_ms_per_run'],2), 'g
 'kernels/run', k.get('kernels_per_run'), {f: round(v['ms'],2) for f,v in k.get('by_family',{}).items()})" \
       "$out/profile_vision_${size}_${mode}_${shape}.json" $shape || true
   done
+  ;;
+probes)
+  # onnxruntime's GatedDeltaNet and short-convolution kernels alone at d3-nano's shapes (no checkpoint needed)
+  python3 "$repo/scripts/gdn_probe.py" --out "$out/gdn_probe.json" 2>&1 | quiet | cut -c1-400
+  for channels in 2048 6144; do
+    python3 "$repo/scripts/conv_probe.py" --channels $channels --out "$out/conv_probe_$channels.json" 2>&1 | quiet
+  done
+  ;;
+logits)
+  # each text graph's code logits against torch fp32 on random runs and a run of one repeated token
+  python3 "$repo/scripts/form_logits.py" "$work/checkpoint" "$work/artifact" --device cuda \
+    --out "$out/form_logits_${size}_${mode}.json" 2>&1 | quiet
   ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac
