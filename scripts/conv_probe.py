@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
+from timing import bound_run_ms  # scripts/timing.py: this script runs as a file, its folder first on the path
 
 
 def graphs(channels: int, taps: int) -> dict[str, object]:
@@ -98,15 +98,7 @@ def time_graph(name: str, model, shape: tuple[int, int, int], repeats: int) -> t
     binding.bind_ortvalue_input("x", x_gpu)
     for output in session.get_outputs():  # y first, then the convolution's state where the op writes it
         binding.bind_output(output.name, "cuda")
-    for _ in range(5):
-        session.run_with_iobinding(binding)
-    binding.synchronize_outputs()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        session.run_with_iobinding(binding)
-    binding.synchronize_outputs()
-    elapsed = (time.perf_counter() - start) / repeats * 1e3
-    return elapsed, binding.copy_outputs_to_cpu()[0]
+    return bound_run_ms(session, binding, repeats, warmup=5), binding.copy_outputs_to_cpu()[0]
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
+from timing import bound_run_ms  # scripts/timing.py: this script runs as a file, its folder first on the path
 
 DIM = 128  # the chunked engine's only head size
 PLANS = ("", "chunked", "chunked_split", "recurrent")  # "" = onnxruntime's own choice
@@ -95,14 +95,7 @@ def run_case(shape: str, heads: int, chunk_size: int | None, repeats: int, check
         for name, value in x.items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, device, 0))
         binding.bind_output("o", device)
-        for _ in range(3):
-            session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-        ms = (time.perf_counter() - start) / repeats * 1e3
+        ms = bound_run_ms(session, binding, repeats)
         got = binding.copy_outputs_to_cpu()[0][:check_rows].astype(np.float64)
         want = recurrence(x, check_rows)
         result[case] = {"device": device, "ms": round(ms, 4), "finite": bool(np.isfinite(got).all()),
