@@ -46,6 +46,11 @@ class Unavailable(DecisionError):
         self.retry_after_s = retry_after_s
 
 
+class ModelFault(DecisionError):
+    """The model's graphs gave a score that is no number (NaN or infinite): a fault of the model or of its export,
+    not of the request, so no retry of it helps."""
+
+
 class DeviceMemoryExhausted(Unavailable):
     """A graph run needed more device memory than the graph's arena may hold (--gpu-memory) at that moment."""
 

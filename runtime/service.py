@@ -8,12 +8,13 @@ returns one readout per question, which the family reads and the question type t
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..models.errors import DecisionError, ModelNotFound, NotSupported
+from ..models.errors import DecisionError, ModelFault, ModelNotFound, NotSupported
 from ..models.family import Readout
 from ..models.questions import Question, parse_questions
 from ..models.request import DecisionRequest, parse_request
@@ -177,6 +178,9 @@ class DecisionService:
         answers, diagnostics = {}, {}
         for question, labels, readout in zip(prepared.questions, prepared.labels, readouts, strict=True):
             read = self.family.read(question, labels, readout)
+            if not all(math.isfinite(p) for p in (*read.probs, read.label_mass)):
+                raise ModelFault(f"the model's scores for question {question.id!r} are not all finite numbers; "
+                                 "the model or its export is at fault, not the request")
             answers[question.id] = question.answer(read)
             diagnostics[question.id] = {"label_mass": read.label_mass, "argmax_is_label": read.argmax_is_label}
         request_id = header_request_id or prepared.request.request_id or new_request_id()

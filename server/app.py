@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..models.errors import DecisionError, SchemaError
+from ..models.errors import DecisionError, ModelFault, SchemaError
 from ..runtime.batch_sizing import BatchSizing
 from ..runtime.deadline import Deadline
 from ..runtime.devices import CPU
@@ -176,6 +176,8 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
         except SchemaError as exc:
             response = schema_error_response(exc)
         except DecisionError as exc:
+            if isinstance(exc, ModelFault):  # the server's fault, not the client's: the operator hears of it
+                log.error("request %s: %s", request_id or "-", exc.message)
             response = decision_error_response(exc)
         except (ClientGone, ClientDisconnect) as exc:
             # Not our error: the client left (mid-upload, or while waiting); counted, logged in one line.

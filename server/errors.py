@@ -11,8 +11,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from ..models.errors import (DecisionError, ModelNotFound, NotSupported, SchemaError, TooLarge, Unavailable,
-                             UnsupportedEncoding, Unreadable)
+from ..models.errors import (DecisionError, ModelFault, ModelNotFound, NotSupported, SchemaError, TooLarge,
+                             Unavailable, UnsupportedEncoding, Unreadable)
 from .body import BodyTimeout, NotJson
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -45,6 +45,7 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
 # Each domain error's HTTP status and OpenAI-style type; the first class of the error's MRO listed here wins.
 STATUSES: dict[type[DecisionError], tuple[int, str]] = {
     ModelNotFound: (404, "NotFoundError"),
+    ModelFault: (500, "InternalServerError"),
     NotSupported: (501, "NotImplementedError"),
     TooLarge: (413, "RequestEntityTooLarge"),
     UnsupportedEncoding: (415, "UnsupportedMediaType"),

@@ -167,3 +167,27 @@ def test_metrics_count_the_pixel_jobs_made_in_the_media_worker_processes(d3_serv
     made, fallback = "systemone_media_process_jobs_total", "systemone_media_fallback_jobs_total"
     assert counter(after, made) == counter(before, made) + 1
     assert counter(after, fallback) == counter(before, fallback)
+
+
+def test_a_score_the_graph_gives_as_nan_is_a_500_naming_the_question_not_a_crash(d3_artifact, monkeypatch, caplog):
+    """A non-finite score is the model's fault, not the request's: 500 with a message that names the question (not
+    the encoder's bare "internal error: ValueError"), and one error line in the server's log."""
+    from dataclasses import replace
+
+    service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu"), served_model_names=[SERVED])
+    real_read = service.family.read
+
+    def nan_scores(question, labels, readout):
+        return real_read(question, labels, replace(readout, scores={k: float("nan") for k in readout.scores}))
+
+    monkeypatch.setattr(service.family, "read", nan_scores)
+    try:
+        with TestClient(create_app(service)) as nan_client, caplog.at_level("ERROR"):
+            response = post(nan_client, {"state": None, "questions": {"urgent": NOUL}})
+    finally:
+        service.close()
+    body = assert_error(response, 500, "the model's scores for question 'urgent' are not all finite numbers; the "
+                                       "model or its export is at fault, not the request")
+    assert body["error"]["type"] == "InternalServerError"
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].endswith(body["error"]["message"]), errors
