@@ -6,15 +6,22 @@ pool); prepare_loaded (prompts rendered and tokenized, labels); encode_media (th
 prefill (the shared prefix, images included, on an empty state); suffix_reads (the 16 questions on that state);
 whole_run (encode, prefill and reads as `Engine.run` does them). Medians leave out the first two requests.
 
-    python scripts/d1_request_stages.py ARTIFACT [--device cuda] [--requests 12]
+With --vision-baseline, each crop grid's vision run is also timed, on the same crops, through the portable vision
+graph rewritten with only its matrix products in fp16 (the vision graph of the rungs without fused ops, written
+again here into a temporary folder), and both are compared with the portable fp32 graph: the fused vision graph's
+gain side by side, in one run.
+
+    python scripts/d1_request_stages.py ARTIFACT [--device cuda] [--requests 12] [--vision-baseline]
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +29,7 @@ from PIL import Image
 
 from systemone.bench import percentile_ms, timed
 from systemone.export.d1.answer_parity import sixteen_questions
+from systemone.export.half_precision import FLOAT16_MATMULS, convert_to_half
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.d1.cells import unshuffle_order
@@ -31,6 +39,7 @@ from systemone.runtime.d1.images import media_rows
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.media_decode import decode_image
 from systemone.runtime.service import DecisionService
+from systemone.runtime.session import GraphSession
 
 
 def median_ms(fn: Callable[[], Any], repeats: int = 7) -> str:
@@ -68,7 +77,7 @@ def request_stages(service: DecisionService, requests: int) -> None:
         print(f"{name:15s} median {np.median(times[2:]):8.2f} ms  min {min(times[2:]):8.2f}")
 
 
-def image_stages(service: DecisionService) -> None:
+def image_stages(service: DecisionService, baseline: GraphSession | None, portable: GraphSession | None) -> None:
     encoder = service.engine.media
     data = base64.b64decode(image_url(1024, 1024, seed=7).split(",", 1)[1])
     rgb = decode_image(data, "image")
@@ -86,6 +95,12 @@ def image_stages(service: DecisionService) -> None:
         feeds = {"patches": patches, "positions": positions}
         print(f"grid {grid}: {len(crops)} crops, patches {patches.shape}, vision graph run",
               median_ms(lambda: encoder.session.run(feeds)))
+        if baseline is not None and portable is not None:
+            served, reference = encoder.session.run(feeds)[0], portable.run(feeds)[0]
+            print("  the portable graph with fp16 products, same crops", median_ms(lambda: baseline.run(feeds)))
+            print(f"  largest difference from the portable fp32 graph: served {np.abs(served - reference).max():.3e}, "
+                  f"fp16 products {np.abs(baseline.run(feeds)[0] - reference).max():.3e} "
+                  f"(rows up to {np.abs(reference).max():.3f})")
         print("  position table resized (uncached)", median_ms(lambda: encoder._positions(*grid)))
 
 
@@ -94,12 +109,21 @@ def main() -> None:
     parser.add_argument("artifact")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--vision-baseline", action="store_true",
+                        help="also time the portable vision graph with fp16 products on the same crops")
     args = parser.parse_args()
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
     print(f"{args.artifact} on {service.provider}, form {service.form}")
     print("batch rows", service.batch_sizing().describe())
     request_stages(service, args.requests)
-    image_stages(service)
+    with tempfile.TemporaryDirectory() as scratch:
+        baseline = portable = None
+        if args.vision_baseline:
+            target = Path(scratch) / "vision.fp16-products.onnx"
+            convert_to_half(Path(args.artifact) / "vision.onnx", target, ["media_embeds"], FLOAT16_MATMULS)
+            portable_graph = Path(args.artifact) / "vision.onnx"
+            baseline, portable = (GraphSession(path, args.device) for path in (target, portable_graph))
+        image_stages(service, baseline, portable)
 
 
 if __name__ == "__main__":

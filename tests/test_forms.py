@@ -20,9 +20,9 @@ from systemone.runtime.artifact import Artifact, ArtifactError
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 
-# The form each family's tiny artifact gets: the first of its ladder (d3's fused graph in fp16; d1 declares no fused
-# graph, so its first is the all-fp16 rewrite of the portable graph).
-FORM = {"d3": "cuda-fused-fp16", "d1": "cuda-fp16"}
+# The form each family's tiny artifact gets: the first of its ladder, its fused graphs in fp16 (d3: both graphs
+# written with fused ops; d1: its vision graph, with its text graph the all-fp16 rewrite of the portable one).
+FORM = {"d3": "cuda-fused-fp16", "d1": "cuda-fused-fp16"}
 # The graphs each family's forms rewrite: the vision graph too (the gates ask questions with images, d3's videos too).
 FORM_GRAPHS = {"d3": ("text", "vision"), "d1": ("text", "vision")}
 
@@ -92,7 +92,7 @@ def fp16_producers(half) -> set[str]:
 
 @pytest.mark.parametrize("family", ["d3", "d1"])
 def test_the_form_rewrites_the_vision_graph_with_only_its_matrix_products_in_fp16(family, request):
-    """Whatever the rung (d3's cuda-fused-fp16 and d1's cuda-fp16 run their text graphs all fp16), the vision graph
+    """Whatever the rung (the cuda-fused-fp16 form runs each family's text graph all fp16), the vision graph
     has only its matrix products (and d3's position-table lookup) in fp16, on fp16 weights; its inputs, norms,
     softmax and its output (the projector's last product, on its fp32 weight) stay fp32."""
     artifact = request.getfixturevalue(f"{family}_artifact")
@@ -100,7 +100,7 @@ def test_the_form_rewrites_the_vision_graph_with_only_its_matrix_products_in_fp1
     portable = onnx.load(str(artifact / "vision.onnx"), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in [*half.graph.input, *half.graph.output]}
     assert types == {v.name: v.type.tensor_type.elem_type for v in [*portable.graph.input, *portable.graph.output]}
-    # (d3's fused rung also reads each block's attention in fp16, as one MultiHeadAttention node: below.)
+    # (The fused rungs also read each block's attention in fp16, as one MultiHeadAttention node: below.)
     assert fp16_producers(half) == {"MatMul", "Gemm", "Cast"} | ({"Gather"} if family == "d3" else set())
     # Every product on a weight reads it in fp16 (the output's reads its fp32 weight through an Identity).
     weights = {t.name: t.data_type for t in half.graph.initializer}
@@ -496,25 +496,29 @@ def test_a_fused_form_question_answers_alike_alone_and_beside_longer_rows(mode, 
     assert np.abs(together - alone).max() <= 2e-3
 
 
-def test_the_fused_vision_graph_in_torch_is_the_portable_one(d3_checkpoint):
-    """The fused ops' eager bodies (rotary, attention, tanh GELU) are the portable vision graph's: both modules
-    agree on a segment."""
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_the_fused_vision_graph_in_torch_is_the_portable_one(family, request):
+    """The fused ops' eager bodies (d3's rotary; attention, tanh GELU) are the portable vision graph's: both modules
+    agree on a segment (d3) or on crops (d1)."""
     import torch
 
+    from systemone.export.d1.config import D1ExportConfig
     from systemone.export.d3.config import D3ExportConfig
 
-    config = D3ExportConfig(d3_checkpoint)
+    config = {"d3": D3ExportConfig, "d1": D1ExportConfig}[family](request.getfixturevalue(f"{family}_checkpoint"))
     inputs = config.vision_example_inputs()
     with torch.no_grad():
         portable, fused = (config.vision_graph(fused=fused)(*inputs) for fused in (False, True))
     assert torch.allclose(portable, fused, atol=1e-5), (portable - fused).abs().max()
 
 
-def test_the_fused_forms_vision_graph_runs_each_blocks_attention_as_one_node(d3_artifact):
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_the_fused_forms_vision_graph_runs_each_blocks_attention_as_one_node(family, request):
     """No n x n scores: each vision block's attention is one MultiHeadAttention node (flash or memory-efficient
     attention on CUDA) reading fp16 query, key and value; no Softmax is left."""
-    half = onnx.load(str(d3_artifact / "vision.cuda-fused-fp16.onnx"), load_external_data=False)
-    portable = onnx.load(str(d3_artifact / "vision.onnx"), load_external_data=False)
+    artifact = request.getfixturevalue(f"{family}_artifact")
+    half = onnx.load(str(artifact / "vision.cuda-fused-fp16.onnx"), load_external_data=False)
+    portable = onnx.load(str(artifact / "vision.onnx"), load_external_data=False)
     attention = [n for n in half.graph.node if n.op_type == "MultiHeadAttention"]
     assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
     assert not any(n.op_type == "Softmax" for n in half.graph.node)
@@ -533,11 +537,14 @@ def test_the_fused_forms_vision_rotary_is_one_node_for_query_and_one_for_key(d3_
     assert all(n.domain == "com.microsoft" for n in rotary)
 
 
-def test_the_fused_forms_vision_mlp_runs_its_tanh_gelu_as_one_node(d3_artifact):
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_the_fused_forms_vision_mlp_runs_its_tanh_gelu_as_one_node(family, request):
     """Each vision block's MLP activation is one FastGelu node (one pass over its n x intermediate values) in place
-    of the portable graph's Pow, Tanh and six more; the merger's exact GELU stays as exported."""
-    half = onnx.load(str(d3_artifact / "vision.cuda-fused-fp16.onnx"), load_external_data=False)
-    portable = onnx.load(str(d3_artifact / "vision.onnx"), load_external_data=False)
+    of the portable graph's Pow, Tanh and six more; the projector's (d1) or merger's (d3) exact GELU stays as
+    exported."""
+    artifact = request.getfixturevalue(f"{family}_artifact")
+    half = onnx.load(str(artifact / "vision.cuda-fused-fp16.onnx"), load_external_data=False)
+    portable = onnx.load(str(artifact / "vision.onnx"), load_external_data=False)
     gelus = [n for n in half.graph.node if n.op_type == "FastGelu"]
     assert len(gelus) == sum(n.op_type == "Tanh" for n in portable.graph.node) >= 1
     assert not any(n.op_type in ("Tanh", "Pow") for n in half.graph.node)

@@ -9,6 +9,7 @@ settings, the vision position table).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from ...runtime.d1.state import D1TextRunner, StateLayout
 from ...runtime.session import GraphSession
 from ...runtime.tokenizer import PromptTokenizer
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
+from ..fused_ops import TRANSLATIONS as FUSED_TRANSLATIONS
 from ..half_precision import FLOAT16_MATMULS
 from ..parity import sample_prompts
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
@@ -121,9 +123,9 @@ class D1ExportConfig(ExportConfig):
                                  for kind in self.layer_types for _ in range(2 if kind == "full_attention" else 1))
         return shapes
 
-    def vision_graph(self) -> D1VisionGraph:
+    def vision_graph(self, fused: bool = False) -> D1VisionGraph:
         return D1VisionGraph(self.model.model.vision_tower, self.model.model.multi_modal_projector,
-                             self.config.downsample_factor).eval()
+                             self.config.downsample_factor, fused).eval()
 
     def vision_example_inputs(self) -> tuple[torch.Tensor, ...]:
         h, w = 6, 10
@@ -220,11 +222,16 @@ class D1ExportConfig(ExportConfig):
         from .answer_parity import parity_requests, question_pairs
 
         # The text graph at the rung's precision (its state in and out kept fp32); the vision graph with only its
-        # matrix products in fp16 on every rung, as d3's (its norms, softmax and residual sums keep fp32's range).
-        # Every third gate request has images, so the gate runs both.
+        # matrix products in fp16 on every rung, as d3's (its norms, softmax and residual sums keep fp32's range),
+        # converted from the fused one on the fused rungs (each layer's attention one MultiHeadAttention node read
+        # in fp16, its GELU one FastGelu node) and from the portable one on the others. Every third gate request
+        # has images, so the gate runs both.
+        _, vision = self.graphs()
+        fused = {"vision": replace(vision, module=lambda: self.vision_graph(fused=True),
+                                   translations=FUSED_TRANSLATIONS)}
         return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
                           lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)),
-                          graph_precisions={"vision": FLOAT16_MATMULS})
+                          fused=fused, graph_precisions={"vision": FLOAT16_MATMULS})
 
     def write_runtime_files(self, out: Path) -> RuntimeFiles:
         """Tokenizer (as transformers loads it for lfm2_vl: tokenizer.json as is, spec 3.4), the processor's chat

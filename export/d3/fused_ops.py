@@ -3,10 +3,9 @@ each Gated DeltaNet layer's short convolution, delta rule and gated norm as one 
 graph's dozens (and its `Scan`, which runs its loop logic on the host and cannot be captured as a CUDA graph); in
 the vision graph, each block's attention as one node, which never materialises the n x n scores.
 
-Each is a torch custom op (`systemone::...`) whose eager body is the portable graph's computation, and
-`TRANSLATIONS` maps it to its `com.microsoft` node when `torch.onnx.export` writes the graph. onnx has no schema
-for onnxruntime's contrib ops, so each carries the part of the op's schema the graph uses (the exporter places
-inputs and attributes by it). The nodes, and the sums they compute:
+Declared as export/fused_ops.py says (a torch custom op whose eager body is the portable graph's computation, and
+its translation to the `com.microsoft` node); `TRANSLATIONS` holds d3's and the shared ones (the vision blocks'
+`FastGelu`, and the `MultiHeadAttention` node read in fp16). The nodes particular to d3, and the sums they compute:
 
 - `CausalConvWithState` (channels last, SiLU, no carried state): out[t] = silu(sum_k w[:, k] x[t - K + 1 + k]),
   zeros before the first token.
@@ -22,11 +21,8 @@ inputs and attributes by it). The nodes, and the sums they compute:
 - `RotaryEmbedding` (not interleaved; one cos/sin row a patch, position i reading row i): the vision blocks' 2-D
   rotary, x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), one kernel for query and one for key in place of
   eleven nodes, in fp32.
-- `FastGelu`: y = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh GELU of the vision blocks' MLP, one
-  kernel in place of the eight elementwise nodes its export writes (each a pass over n x 4,096 fp32 values).
-- `MultiHeadAttention` (no mask, one segment): out = softmax(scale q k^T) v per head, read in fp16 (on CUDA its
-  flash and memory-efficient kernels run in half precision) and returned in fp32. The portable vision graph's
-  fp32 scores for a 1280 x 960 photo (4,800 patches) are 4,800^2 per head and block.
+- `MultiHeadAttention` over the vision graph's segments, each its own row of the node's batch (the portable vision
+  graph's fp32 scores for a 1280 x 960 photo, 4,800 patches, are 4,800^2 per head and block).
 - `MultiHeadAttention` again for the text graph's full-attention layers, over right-padded rows, fp16 in and fp32
   out: causal as `unidirectional` with no mask (a real token never sees the padding to its right; onnxruntime's
   CUDA kernel is flash attention), bidirectional with the keys bounded by each row's length, written as the mask
@@ -36,59 +32,43 @@ inputs and attributes by it). The nodes, and the sums they compute:
 """
 
 import onnx
-import onnxscript
 import torch
 import torch.nn.functional as F
 from onnxscript import FLOAT, FLOAT16, INT32, INT64
 from onnxscript import opset18 as op
 
+from ..fused_ops import HALF_OR_FLOAT, MULTI_HEAD_ATTENTION, contrib_op, half_attention
+from ..fused_ops import TRANSLATIONS as SHARED_TRANSLATIONS
 from ..short_conv import shifted_conv
 from .delta_rule import chunked_rule, l2norm
 
 _Param, _Option = onnx.defs.OpSchema.FormalParameter, onnx.defs.OpSchema.FormalParameterOption
-_Attr, _AttrType = onnx.defs.OpSchema.Attribute, onnx.defs.OpSchema.AttrType
-_MICROSOFT = onnxscript.values.Opset("com.microsoft", 1)
-
-
-def _op(name: str, inputs: list, outputs: list, types: list, attributes: dict[str, _AttrType]) -> onnxscript.values.Op:
-    schema = onnx.defs.OpSchema(name, "com.microsoft", 1, inputs=inputs, outputs=outputs, type_constraints=types,
-                                attributes=[_Attr(attr, kind, "") for attr, kind in attributes.items()])
-    return onnxscript.values.Op(_MICROSOFT, name, schema)
-
-
-_HALF_OR_FLOAT = ["tensor(float16)", "tensor(float)"]
-CAUSAL_CONV = _op("CausalConvWithState", [_Param("input", "T"), _Param("weight", "T")],
-                  [_Param("output", "T"), _Param("present_state", "T")], [("T", _HALF_OR_FLOAT, "")],
-                  {"channels_last": _AttrType.INT, "activation": _AttrType.STRING})
-GATED_DELTA_NET = _op(
+_AttrType = onnx.defs.OpSchema.AttrType
+CAUSAL_CONV = contrib_op("CausalConvWithState", [_Param("input", "T"), _Param("weight", "T")],
+                         [_Param("output", "T"), _Param("present_state", "T")], [("T", HALF_OR_FLOAT, "")],
+                         {"channels_last": _AttrType.INT, "activation": _AttrType.STRING})
+GATED_DELTA_NET = contrib_op(
     "GatedDeltaNet",
     [_Param("query", "T"), _Param("key", "T"), _Param("value", "T"),
      _Param("cu_seqlens", "TI", param_option=_Option.Optional), _Param("decay", "TS"), _Param("beta", "TS"),
      _Param("initial_state", "TS"), _Param("a_log", "TS"), _Param("dt_bias", "TS")],
     [_Param("output", "T")],
-    [("T", _HALF_OR_FLOAT, ""), ("TI", ["tensor(int32)"], ""), ("TS", ["tensor(float)"], "")],
+    [("T", HALF_OR_FLOAT, ""), ("TI", ["tensor(int32)"], ""), ("TS", ["tensor(float)"], "")],
     {"update_rule": _AttrType.STRING, "gate_activation": _AttrType.STRING, "beta_activation": _AttrType.STRING,
      "qk_l2_norm": _AttrType.INT, "scale": _AttrType.FLOAT})
-MULTI_HEAD_ATTENTION = _op("MultiHeadAttention",
-                           [_Param("query", "T"), _Param("key", "T"), _Param("value", "T"),
-                            _Param("bias", "T", param_option=_Option.Optional),
-                            _Param("key_padding_mask", "M", param_option=_Option.Optional)],
-                           [_Param("output", "T")], [("T", _HALF_OR_FLOAT, ""), ("M", ["tensor(int32)"], "")],
-                           {"num_heads": _AttrType.INT, "scale": _AttrType.FLOAT, "unidirectional": _AttrType.INT})
-ROTARY_EMBEDDING = _op("RotaryEmbedding", [_Param("input", "T"), _Param("position_ids", "M"),
-                                           _Param("cos_cache", "T"), _Param("sin_cache", "T")],
-                       [_Param("output", "T")], [("T", _HALF_OR_FLOAT, ""), ("M", ["tensor(int64)"], "")],
-                       {"num_heads": _AttrType.INT, "interleaved": _AttrType.INT})
-FAST_GELU = _op("FastGelu", [_Param("X", "T")], [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")], {})
-SKIP_RMS_NORM = _op("SkipSimplifiedLayerNormalization",
-                    [_Param("input", "T"), _Param("skip", "T"), _Param("gamma", "T")],
-                    [_Param("output", "T"), _Param("mean", "U", param_option=_Option.Optional),
-                     _Param("inv_std_var", "U", param_option=_Option.Optional),
-                     _Param("input_skip_bias_sum", "T", param_option=_Option.Optional)],
-                    [("T", _HALF_OR_FLOAT, ""), ("U", ["tensor(float)"], "")], {"epsilon": _AttrType.FLOAT})
-GATED_RMS_NORM = _op("GatedRMSNorm", [_Param("X", "T"), _Param("scale", "T"), _Param("gate", "T")],
-                     [_Param("Y", "T")], [("T", _HALF_OR_FLOAT, "")],
-                     {"epsilon": _AttrType.FLOAT, "activation": _AttrType.STRING})
+ROTARY_EMBEDDING = contrib_op("RotaryEmbedding", [_Param("input", "T"), _Param("position_ids", "M"),
+                                                  _Param("cos_cache", "T"), _Param("sin_cache", "T")],
+                              [_Param("output", "T")], [("T", HALF_OR_FLOAT, ""), ("M", ["tensor(int64)"], "")],
+                              {"num_heads": _AttrType.INT, "interleaved": _AttrType.INT})
+SKIP_RMS_NORM = contrib_op("SkipSimplifiedLayerNormalization",
+                           [_Param("input", "T"), _Param("skip", "T"), _Param("gamma", "T")],
+                           [_Param("output", "T"), _Param("mean", "U", param_option=_Option.Optional),
+                            _Param("inv_std_var", "U", param_option=_Option.Optional),
+                            _Param("input_skip_bias_sum", "T", param_option=_Option.Optional)],
+                           [("T", HALF_OR_FLOAT, ""), ("U", ["tensor(float)"], "")], {"epsilon": _AttrType.FLOAT})
+GATED_RMS_NORM = contrib_op("GatedRMSNorm", [_Param("X", "T"), _Param("scale", "T"), _Param("gate", "T")],
+                            [_Param("Y", "T")], [("T", HALF_OR_FLOAT, "")],
+                            {"epsilon": _AttrType.FLOAT, "activation": _AttrType.STRING})
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -202,14 +182,11 @@ def _(query, key, value, segments, heads, scale):
 
 
 def _segment_attention(query: FLOAT, key: FLOAT, value: FLOAT, segments: INT64, heads: int, scale: float) -> FLOAT:
-    # [n, H, D] -> [n, H * D] -> [S, n / S, H * D], the op's layout with the segments as its batch, then fp16: the
-    # node is all the fp16 there is.
+    # [n, H, D] -> [n, H * D] -> [S, n / S, H * D], the op's layout with the segments as its batch.
     rows = op.Reshape(query, op.Constant(value_ints=[0, -1]))
     batched = op.Concat(op.Shape(segments), op.Constant(value_ints=[-1]), op.Shape(rows, start=1), axis=0)
-    q, k, v = (op.Cast(op.Reshape(op.Reshape(x, op.Constant(value_ints=[0, -1])), batched), to=FLOAT16.dtype)
-               for x in (query, key, value))
-    out = MULTI_HEAD_ATTENTION(q, k, v, num_heads=heads, scale=scale)
-    return op.Cast(op.Reshape(out, op.Shape(rows)), to=FLOAT.dtype)
+    q, k, v = (op.Reshape(op.Reshape(x, op.Constant(value_ints=[0, -1])), batched) for x in (query, key, value))
+    return op.Reshape(half_attention(q, k, v, heads, scale), op.Shape(rows))
 
 
 # -- the text graph's full attention ---------------------------------------------------------------------------
@@ -270,27 +247,11 @@ def _patch_rotary(x: FLOAT, cos: FLOAT, sin: FLOAT, heads: int) -> FLOAT:
     return op.Reshape(out, op.Shape(x))
 
 
-# -- the vision MLP's activation ------------------------------------------------------------------------------------
-@torch.library.custom_op("systemone::gelu_tanh", mutates_args=())
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU's tanh approximation (transformers' `gelu_pytorch_tanh`), elementwise."""
-    return F.gelu(x, approximate="tanh")
-
-
-@gelu_tanh.register_fake
-def _(x):
-    return x.new_empty(x.shape)
-
-
-def _fast_gelu(x: FLOAT) -> FLOAT:
-    return FAST_GELU(x)
-
-
-TRANSLATIONS = {torch.ops.systemone.causal_conv_silu.default: _causal_conv,
+TRANSLATIONS = {**SHARED_TRANSLATIONS,
+                torch.ops.systemone.causal_conv_silu.default: _causal_conv,
                 torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
                 torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm,
                 torch.ops.systemone.skip_rms_norm.default: _skip_rms_norm,
                 torch.ops.systemone.segment_attention.default: _segment_attention,
                 torch.ops.systemone.padded_attention.default: _padded_attention,
-                torch.ops.systemone.patch_rotary.default: _patch_rotary,
-                torch.ops.systemone.gelu_tanh.default: _fast_gelu}
+                torch.ops.systemone.patch_rotary.default: _patch_rotary}

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_ops import gelu_tanh, patch_rotary, segment_attention
+from ..fused_ops import gelu_tanh
+from .fused_ops import patch_rotary, segment_attention
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

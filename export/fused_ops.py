@@ -1,0 +1,93 @@
+"""onnxruntime's fused contrib ops that more than one family's CUDA form writes (docs/gpu.md, "The fused form"), and
+the way every family's fused ops are declared.
+
+Each fused op is a torch custom op (`systemone::...`) whose eager body is the portable graph's computation, and a
+translation maps it to its `com.microsoft` node when `torch.onnx.export` writes the graph. onnx has no schema for
+onnxruntime's contrib ops, so each node carries the part of the op's schema the graph uses (`contrib_op`: the
+exporter places inputs and attributes by it). The nodes here, and the sums they compute:
+
+- `MultiHeadAttention` (no mask): out = softmax(scale q k^T) v per head over each row of a batch, read in fp16 (on
+  CUDA its flash and memory-efficient kernels run in half precision and accumulate in fp32) and returned in fp32:
+  a vision tower's attention over an image's patches (d1: one row a crop; d3: one a segment), which never
+  materialises the n x n scores the portable graph writes in fp32.
+- `FastGelu`: y = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh GELU of the vision towers' MLPs, one
+  kernel in place of the eight elementwise nodes its export writes (each a pass over n x intermediate fp32 values).
+"""
+
+import onnx
+import onnxscript
+import torch
+import torch.nn.functional as F
+from onnxscript import FLOAT, FLOAT16
+from onnxscript import opset18 as op
+
+_Param, _Option = onnx.defs.OpSchema.FormalParameter, onnx.defs.OpSchema.FormalParameterOption
+_Attr, _AttrType = onnx.defs.OpSchema.Attribute, onnx.defs.OpSchema.AttrType
+_MICROSOFT = onnxscript.values.Opset("com.microsoft", 1)
+HALF_OR_FLOAT = ["tensor(float16)", "tensor(float)"]
+
+
+def contrib_op(name: str, inputs: list, outputs: list, types: list, attributes: dict[str, _AttrType]
+               ) -> onnxscript.values.Op:
+    """onnxruntime's `com.microsoft` op `name` with the inputs, outputs, type constraints and attributes given."""
+    schema = onnx.defs.OpSchema(name, "com.microsoft", 1, inputs=inputs, outputs=outputs, type_constraints=types,
+                                attributes=[_Attr(attr, kind, "") for attr, kind in attributes.items()])
+    return onnxscript.values.Op(_MICROSOFT, name, schema)
+
+
+MULTI_HEAD_ATTENTION = contrib_op("MultiHeadAttention",
+                                  [_Param("query", "T"), _Param("key", "T"), _Param("value", "T"),
+                                   _Param("bias", "T", param_option=_Option.Optional),
+                                   _Param("key_padding_mask", "M", param_option=_Option.Optional)],
+                                  [_Param("output", "T")], [("T", HALF_OR_FLOAT, ""), ("M", ["tensor(int32)"], "")],
+                                  {"num_heads": _AttrType.INT, "scale": _AttrType.FLOAT,
+                                   "unidirectional": _AttrType.INT})
+FAST_GELU = contrib_op("FastGelu", [_Param("X", "T")], [_Param("Y", "T")], [("T", HALF_OR_FLOAT, "")], {})
+
+
+def half_attention(query: FLOAT, key: FLOAT, value: FLOAT, heads: int, scale: float) -> FLOAT:
+    """query, key, value [B, L, H * D] fp32 -> the unmasked attention of each row, [B, L, H * D] fp32, computed by
+    a MultiHeadAttention node in fp16: the node is all the fp16 there is."""
+    q, k, v = (op.Cast(x, to=FLOAT16.dtype) for x in (query, key, value))
+    return op.Cast(MULTI_HEAD_ATTENTION(q, k, v, num_heads=heads, scale=scale), to=FLOAT.dtype)
+
+
+# -- attention over each row of a batch ------------------------------------------------------------------------------
+@torch.library.custom_op("systemone::batch_attention", mutates_args=())
+def batch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: int, scale: float
+                    ) -> torch.Tensor:
+    """query, key, value [B, L, H * D] fp32 (H = `heads`, an attribute of the node): each row attends to itself,
+    no mask -> [B, L, H * D]."""
+    batch, length, _ = query.shape
+    q, k, v = (x.reshape(batch, length, heads, -1).transpose(1, 2) for x in (query, key, value))  # [B, H, L, D]
+    probs = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
+    return (probs @ v).transpose(1, 2).reshape(query.shape).contiguous()
+
+
+@batch_attention.register_fake
+def _(query, key, value, heads, scale):
+    return query.new_empty(query.shape)
+
+
+def _batch_attention(query: FLOAT, key: FLOAT, value: FLOAT, heads: int, scale: float) -> FLOAT:
+    return half_attention(query, key, value, heads, scale)
+
+
+# -- the vision MLPs' activation ------------------------------------------------------------------------------------
+@torch.library.custom_op("systemone::gelu_tanh", mutates_args=())
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (transformers' `gelu_pytorch_tanh`), elementwise."""
+    return F.gelu(x, approximate="tanh")
+
+
+@gelu_tanh.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+def _fast_gelu(x: FLOAT) -> FLOAT:
+    return FAST_GELU(x)
+
+
+TRANSLATIONS = {torch.ops.systemone.batch_attention.default: _batch_attention,
+                torch.ops.systemone.gelu_tanh.default: _fast_gelu}
