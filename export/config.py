@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .half_precision import FLOAT16, FLOAT16_MATMULS, FLOAT16_MIXED, FLOAT32, Precision
+from .half_precision import FLOAT16, FLOAT16_MATMULS, FLOAT16_MIXED, Precision
 
 
 class ParityError(RuntimeError):
@@ -20,19 +20,12 @@ class ParityError(RuntimeError):
 
 @dataclass(frozen=True)
 class AnswerTolerance:
-    """How far a form's answers may be from the torch fp32 model's (export/answer_gate.py); the defaults are a
-    half-precision form's."""
+    """How far a half-precision form's answers may be from the torch fp32 model's (export/answer_gate.py)."""
 
     max_dp: float = 0.02
     median_dp: float = 0.003
     pick_margin: float = 0.02  # picks must agree wherever the reference's top two are further apart than this
     min_questions: int = 200
-
-
-# An fp32 form answers as the portable graphs do: within the portable export's probability bound (parity.py's
-# DEFAULT_PROB_ATOL) on every question, so its picks may differ only where the reference's top two are closer than
-# twice that.
-FP32_TOLERANCE = AnswerTolerance(max_dp=1e-4, median_dp=1e-4, pick_margin=2e-4)
 
 
 @dataclass(frozen=True)
@@ -76,11 +69,10 @@ class RuntimeFiles:
 
 
 @dataclass(frozen=True)
-class Form:
-    """A form export writes beside the portable fp32 graphs for some providers (docs/gpu.md, "The CUDA form";
-    docs/artifact.md, "The CPU's form"): the graphs it rewrites, each with the outputs that stay fp32 (the readout),
-    and the questions its answer gate compares: `answer_pairs(service)` runs them through `service` (the runtime on
-    this form) and the torch model."""
+class HalfForm:
+    """A half-precision form export writes beside the portable fp32 graphs (docs/gpu.md, "The CUDA form"): the
+    graphs it rewrites, each with the outputs that stay fp32 (the readout), and the questions its answer gate
+    compares: `answer_pairs(service)` runs them through `service` (the runtime on this form) and the torch model."""
 
     name: str
     providers: tuple[str, ...]
@@ -97,14 +89,10 @@ class Form:
     def precision_of(self, graph: str) -> Precision:
         return self.graph_precisions.get(graph, self.precision)
 
-    @property
-    def dtype(self) -> str:
-        return self.precision.dtype
-
 
 def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any], list[Any]],
                fused: dict[str, GraphSpec] | None = None,
-               graph_precisions: dict[str, Precision] | None = None) -> list[Form]:
+               graph_precisions: dict[str, Precision] | None = None) -> list[HalfForm]:
     """The CUDA forms, fastest first: export writes the first whose answers pass the gate (export/forms.py).
     With `fused` (graphs written with onnxruntime's fused contrib ops: no control flow) the fused graphs come first,
     then the portable graph rewritten. Each at three precisions, fastest first (half_precision.py): every node in
@@ -115,15 +103,8 @@ def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any],
               ("cuda-fused", FLOAT16_MATMULS, fused)] if fused else []
     ladder += [("cuda-fp16", FLOAT16, None), ("cuda-mixed", FLOAT16_MIXED, None),
                ("cuda-fp16-matmuls", FLOAT16_MATMULS, None)]
-    return [Form(name, ("cuda",), graphs, answer_pairs, precision, sources=sources or {},
-                 graph_precisions=graph_precisions or {}) for name, precision, sources in ladder]
-
-
-def cpu_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any], list[Any]],
-              fused: dict[str, GraphSpec]) -> list[Form]:
-    """The CPU's form: the `fused` graphs (written with onnxruntime's fused ops, every node fp32) in place of the
-    portable ones, gated to answer as the portable graphs do (`FP32_TOLERANCE`); the other graphs stay portable."""
-    return [Form("cpu-fused", ("cpu",), graphs, answer_pairs, FLOAT32, FP32_TOLERANCE, sources=fused)]
+    return [HalfForm(name, ("cuda",), graphs, answer_pairs, precision, sources=sources or {},
+                     graph_precisions=graph_precisions or {}) for name, precision, sources in ladder]
 
 
 class ExportConfig(ABC):
@@ -151,7 +132,7 @@ class ExportConfig(ABC):
     def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
         """The parity gates, in order; the first is the text graph's, whose report is the artifact's."""
 
-    def forms(self) -> list[Form]:
+    def forms(self) -> list[HalfForm]:
         """The half-precision forms to write beside the portable graphs (none unless the family declares them)."""
         return []
 

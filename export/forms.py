@@ -1,9 +1,8 @@
 """The forms export writes beside the portable fp32 graphs: each graph the form rewrites converted to half
-precision (export/half_precision.py) or, at fp32, kept as its fused export wrote it, then the whole runtime on that
-form gated against the torch fp32 model on answers (export/answer_gate.py). A form that fails its gate is not
-written: its files are removed, export says why, and the manifest records the refusal. Forms for the same providers
-are tried in the order declared (most half first) and only until one is written: an artifact holds at most one form
-per provider set. A form for the CPU alone is gated on the CPU, wherever export runs."""
+precision (export/half_precision.py), then the whole runtime on that form gated against the torch fp32 model on
+answers (export/answer_gate.py). A form that fails its gate is not written: its files are removed, export says why,
+and the manifest records the refusal. Forms for the same providers are tried in the order declared (most half
+first) and only until one is written: an artifact holds at most one form per provider set."""
 
 from __future__ import annotations
 
@@ -16,12 +15,14 @@ from typing import Any
 
 from ..runtime.artifact import FormEntry, Manifest
 from .answer_gate import gate_answers
-from .config import ExportConfig, Form, GraphSpec, ParityError
+from .config import ExportConfig, GraphSpec, HalfForm, ParityError
 from .graph_export import export_graph
 from .half_precision import Precision, convert_to_half
 
+HALF_DTYPE = "float16"
 
-def form_files(form: Form) -> dict[str, str]:
+
+def form_files(form: HalfForm) -> dict[str, str]:
     return {graph: f"{graph}.{form.name}.onnx" for graph in form.graphs}
 
 
@@ -33,7 +34,7 @@ def remove_form_files(root: Path, files: dict[str, str]) -> None:
 
 
 class _FormSources:
-    """The fp32 exports of the graphs forms export themselves (`Form.sources`): each written once, however many
+    """The fp32 exports of the graphs forms export themselves (`HalfForm.sources`): each written once, however many
     forms of the ladder convert it, and removed when the forms are written."""
 
     def __init__(self, staging: Path, progress: Callable[[str], None]):
@@ -61,9 +62,6 @@ class _Conversions:
         self.kept: dict[tuple[str, str, tuple[str, ...]], Path] = {}
 
     def convert(self, source: Path, target: Path, outputs: Sequence[str], precision: Precision) -> None:
-        if precision.dtype == "float32":  # kept as exported: nothing to convert
-            _link_graph(source, target)
-            return
         key = (str(source), precision.name, tuple(outputs))
         kept = self.kept.get(key)
         if kept is None:
@@ -91,7 +89,7 @@ def _link_graph(source: Path, target: Path) -> None:
     os.link(source.with_name(f"{source.name}.data"), target.with_name(f"{target.name}.data"))
 
 
-def gate_form(config: ExportConfig, staging: Path, form: Form, device: str) -> dict[str, Any]:
+def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str) -> dict[str, Any]:
     """The runtime on `form` (staged artifact, `device`) against the torch fp32 model on the form's questions."""
     from ..runtime.artifact import Artifact
     from ..runtime.engine import EngineOptions
@@ -107,12 +105,12 @@ def gate_form(config: ExportConfig, staging: Path, form: Form, device: str) -> d
     return {**report, "device": device, "provider": service.provider, "batch_rows": sizing.describe()}
 
 
-def form_steps(forms: list[Form]) -> int:
+def form_steps(forms: list[HalfForm]) -> int:
     """The progress steps `write_forms` takes at most: two a form, one a graph a form exports itself."""
     return 2 * len(forms) + len({id(spec) for form in forms for spec in form.sources.values()})
 
 
-def write_forms(config: ExportConfig, forms: list[Form], staging: Path, manifest: Manifest, device: str,
+def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, manifest: Manifest, device: str,
                 progress: Callable[[str], None]) -> Manifest:
     """Each of `forms` (the config's) written and gated in `staging`, but none after a written one for the same
     providers; the manifest that records them (written)."""
@@ -131,21 +129,19 @@ def write_forms(config: ExportConfig, forms: list[Form], staging: Path, manifest
                 spec = form.sources.get(graph)
                 source = staging / manifest.graphs[graph].file if spec is None else sources.path(graph, spec)
                 conversions.convert(source, staging / files[graph], outputs, form.precision_of(graph))
-            entry = FormEntry(form.dtype, list(form.providers), files,
+            entry = FormEntry(HALF_DTYPE, list(form.providers), files,
                               precisions={graph: form.precision_of(graph).name for graph in form.graphs})
             replace(manifest, forms={**manifest.forms, form.name: entry}).write(staging)
-            gate_device = "cpu" if form.providers == ("cpu",) else device
-            progress(f"checking the {form.name} form's answers against the torch fp32 model on {gate_device}")
+            progress(f"checking the {form.name} form's answers against the torch fp32 model on {device}")
             try:
-                entry = replace(entry, gate=gate_form(config, staging, form, gate_device))
+                entry = replace(entry, gate=gate_form(config, staging, form, device))
                 written.add(form.providers)
             except Exception as exc:  # noqa: BLE001 - a form this onnxruntime cannot run is refused like one that fails
                 reason = str(exc) if isinstance(exc, ParityError) else \
-                    f"onnxruntime could not run it on {gate_device}: {type(exc).__name__}: " \
-                    f"{str(exc).splitlines()[0][:300]}"
+                    f"onnxruntime could not run it on {device}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 print(f"the {form.name} form is not written: {reason}", file=sys.stderr)
                 remove_form_files(staging, files)
-                entry = FormEntry(form.dtype, list(form.providers), refused=reason)
+                entry = FormEntry(HALF_DTYPE, list(form.providers), refused=reason)
             manifest = replace(manifest, forms={**manifest.forms, form.name: entry})
     finally:
         sources.remove()

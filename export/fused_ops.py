@@ -6,15 +6,12 @@ translation maps it to its `com.microsoft` node when `torch.onnx.export` writes 
 onnxruntime's contrib ops, so each node carries the part of the op's schema the graph uses (`contrib_op`: the
 exporter places inputs and attributes by it). The nodes here, and the sums they compute:
 
-- `MultiHeadAttention` (no mask): out = softmax(scale q k^T) v per head over each row of a batch: a vision tower's
-  attention over an image's patches (d1: one row a crop; d3: one a segment), which never materialises the n x n
-  fp32 scores the portable graph writes.
+- `MultiHeadAttention` (no mask): out = softmax(scale q k^T) v per head over each row of a batch, read in fp16 (on
+  CUDA its flash and memory-efficient kernels run in half precision and accumulate in fp32) and returned in fp32:
+  a vision tower's attention over an image's patches (d1: one row a crop; d3: one a segment), which never
+  materialises the n x n scores the portable graph writes in fp32.
 - `FastGelu`: y = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh GELU of the vision towers' MLPs, one
   kernel in place of the eight elementwise nodes its export writes (each a pass over n x intermediate fp32 values).
-
-`translations(half_io)` writes them for a form: with `half_io` (the CUDA form) the attention node reads fp16 query,
-key and value and its result is cast back to fp32, since onnxruntime's CUDA flash and memory-efficient kernels run
-only in half precision (accumulating in fp32); without it (the CPU's form) every node reads and writes fp32.
 """
 
 import onnx
@@ -48,11 +45,9 @@ MULTI_HEAD_ATTENTION = contrib_op("MultiHeadAttention",
 FAST_GELU = contrib_op("FastGelu", [_Param("X", "T")], [_Param("Y", "T")], [("T", HALF_OR_FLOAT, "")], {})
 
 
-def attention_node(query: FLOAT, key: FLOAT, value: FLOAT, heads: int, scale: float, half_io: bool) -> FLOAT:
-    """query, key, value [B, L, H * D] fp32 -> the unmasked attention of each row, [B, L, H * D] fp32, as one
-    MultiHeadAttention node; where `half_io` it reads fp16 (the node is all the fp16 there is)."""
-    if not half_io:
-        return MULTI_HEAD_ATTENTION(query, key, value, num_heads=heads, scale=scale)
+def half_attention(query: FLOAT, key: FLOAT, value: FLOAT, heads: int, scale: float) -> FLOAT:
+    """query, key, value [B, L, H * D] fp32 -> the unmasked attention of each row, [B, L, H * D] fp32, computed by
+    a MultiHeadAttention node in fp16: the node is all the fp16 there is."""
     q, k, v = (op.Cast(x, to=FLOAT16.dtype) for x in (query, key, value))
     return op.Cast(MULTI_HEAD_ATTENTION(q, k, v, num_heads=heads, scale=scale), to=FLOAT.dtype)
 
@@ -74,6 +69,10 @@ def _(query, key, value, heads, scale):
     return query.new_empty(query.shape)
 
 
+def _batch_attention(query: FLOAT, key: FLOAT, value: FLOAT, heads: int, scale: float) -> FLOAT:
+    return half_attention(query, key, value, heads, scale)
+
+
 # -- the vision MLPs' activation ------------------------------------------------------------------------------------
 @torch.library.custom_op("systemone::gelu_tanh", mutates_args=())
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -90,14 +89,5 @@ def _fast_gelu(x: FLOAT) -> FLOAT:
     return FAST_GELU(x)
 
 
-def translations(half_io: bool) -> dict:
-    """The shared ops' translations, the attention node reading fp16 where `half_io` (the CUDA form)."""
-    def batch_attention_node(query: FLOAT, key: FLOAT, value: FLOAT, heads: int, scale: float) -> FLOAT:
-        return attention_node(query, key, value, heads, scale, half_io)
-
-    return {torch.ops.systemone.batch_attention.default: batch_attention_node,
-            torch.ops.systemone.gelu_tanh.default: _fast_gelu}
-
-
-TRANSLATIONS = translations(half_io=True)  # the CUDA form's
-CPU_TRANSLATIONS = translations(half_io=False)  # the CPU form's: every node fp32
+TRANSLATIONS = {torch.ops.systemone.batch_attention.default: _batch_attention,
+                torch.ops.systemone.gelu_tanh.default: _fast_gelu}

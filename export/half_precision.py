@@ -42,7 +42,6 @@ class Precision:
     name: str
     half_ops: frozenset[str] | None = None
     follow_ops: frozenset[str] = frozenset()
-    dtype: str = "float16"  # the dtype a form at this precision records; "float32": nothing is converted
 
     def half_nodes(self, graph, blocked_ops: Collection[str]) -> set[str]:
         """Names of the nodes of `graph` (topologically ordered, as ONNX requires) this precision runs in fp16."""
@@ -93,8 +92,6 @@ _FOLLOWERS = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Sigmoid", "Tanh", "R
 FLOAT16_MIXED = Precision("float16-mixed", frozenset({"MatMul", "Gemm", "Gather", "CausalConvWithState",
                                                       "GatedRMSNorm"}), _FOLLOWERS)
 FLOAT16_MATMULS = Precision("float16-matmuls", frozenset({"MatMul", "Gemm", "Gather"}))
-# A graph kept as its export wrote it, every node fp32 (the CPU's form).
-FLOAT32 = Precision("float32", frozenset(), dtype="float32")
 
 
 def rotary_angles(graph) -> set[str]:

@@ -21,7 +21,7 @@ from typing import Any
 from ..models.registry import FAMILIES, FamilyRegistry
 from ..runtime.artifact import GraphEntry, Manifest
 from ..runtime.session import resolve_device
-from .config import ExportConfig, Form, ParityError
+from .config import ExportConfig, HalfForm, ParityError
 from .forms import form_steps, remove_form_files, write_forms
 from .graph_export import OPSET, export_graph
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
@@ -155,7 +155,7 @@ def add_forms(source: str, artifact: str | Path, *, revision: str | None = None,
     return manifest
 
 
-def _chosen_forms(config: ExportConfig, names: Sequence[str] | None) -> list[Form]:
+def _chosen_forms(config: ExportConfig, names: Sequence[str] | None) -> list[HalfForm]:
     declared = config.forms()
     if names is None:
         return declared

@@ -7,19 +7,13 @@ CPU (runtime/d3/media.py), from this script's figures: on two CPU cores (tiny d3
 ms in ten runs and 38 ms in one (scripts/results/vision_runs_cpu_d3_tiny.txt); on the H200 (d3-nano, the fused
 form) 66.0 ms in ten and 31.9 ms in one (scripts/results/gpu_vision_runs_d3-nano_noncausal_ninth.txt).
 
-The CPU's form (`cpu-fused`: the fused vision graph in fp32) against the portable one, each graph in a process of its
-own so that the peak RSS printed after it is its own (d3-edge-sized, two cores: README, "CPU"):
-
-    python scripts/vision_runs.py ARTIFACT --graphs vision.onnx --repeats 3 --warmup 1 --shapes 1x60x80 10x20x36
-
-    python scripts/vision_runs.py ARTIFACT [--device cuda] [--graphs FILE ...] [--repeats 20] [--warmup 3]
+    python scripts/vision_runs.py ARTIFACT [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -35,25 +29,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--graphs", nargs="+", help="vision graph files to run (default: the portable one and every "
-                                                    "form's)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed runs of each way")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed runs of each way before them")
-    parser.add_argument("--shapes", nargs="+", default=["10x20x36", "4x60x80"],
-                        help="COUNTxHxW: COUNT segments of H x W patches")
     args = parser.parse_args()
     manifest = json.loads((args.artifact / "manifest.json").read_text())
     side, merge = manifest["vision"]["position_grid_side"], manifest["vision"]["merge_size"]
     rng = np.random.default_rng(0)
-    graphs = args.graphs or ["vision.onnx"] + [f"vision.{form}.onnx" for form in manifest.get("forms", {})
-                                               if (args.artifact / f"vision.{form}.onnx").exists()]
+    graphs = ["vision.onnx"] + [f"vision.{form}.onnx" for form in manifest.get("forms", {})
+                                if (args.artifact / f"vision.{form}.onnx").exists()]
     for name in graphs:
         session = GraphSession(args.artifact / name, args.device)
         if "segments" not in session.input_names:
             raise SystemExit(f"{name} takes one segment a run: exported before the `segments` input")
         width = session.session.get_inputs()[0].shape[1]
         print(f"{name} on {session.provider}")
-        for count, h, w in (tuple(int(x) for x in shape.split("x")) for shape in args.shapes):
+        for count, h, w in ((10, 20, 36), (4, 60, 80)):
             n = h * w
             pixels = rng.standard_normal((count * n, width)).astype(np.float32)
             alone = vision_inputs(h, w, side, merge)
@@ -66,17 +54,16 @@ def main() -> None:
                 return session.run({"pixel_values": pixels, **vision_inputs(h, w, side, merge, count)})[0]
 
             for way in (one_run_each, one_run):
-                for _ in range(args.warmup):
+                for _ in range(3):
                     way()
                 times = []
-                for _ in range(args.repeats):
+                for _ in range(20):
                     start = time.perf_counter()
                     way()
                     times.append(time.perf_counter() - start)
                 print(f"  {count:2d} segments of {h}x{w}: {way.__name__:12s} median {1000 * np.median(times):8.2f} ms,"
                       f" min {1000 * min(times):8.2f} ms")
             print(f"  largest difference {np.abs(one_run_each() - one_run()).max():.2e}")
-        print(f"  peak RSS of this process so far {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.portable_only and (args.forms or args.add_forms):
         other = "--forms" if args.forms else "--add-forms"
-        print(f"systemone export: --portable-only writes no other form; it cannot go with {other}",
+        print(f"systemone export: --portable-only writes no half-precision form; it cannot go with {other}",
               file=sys.stderr)
         return 2
     forms = [] if args.portable_only else args.forms.split(",") if args.forms else None
@@ -153,8 +153,7 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
     form = service.form
     if form in manifest.forms:
         entry = manifest.forms[form]
-        graphs = ", ".join(f"{graph} {entry.precisions.get(graph, 'portable')}" for graph in manifest.graphs) \
-            if entry.precisions else entry.dtype
+        graphs = ", ".join(f"{graph} {name}" for graph, name in entry.precisions.items()) or entry.dtype
         precision = f"{form} form ({graphs}, readout float32; gate: {entry.gate.get('summary', '-')})"
     else:
         precision = f"portable form ({', '.join(sorted({g.dtype for g in manifest.graphs.values()}))})"
@@ -247,9 +246,8 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=DEVICES,
                         help="execution provider; one that is absent is an error")
     parser.add_argument("--form", default="auto",
-                        help="which of the artifact's forms to run: auto (the form export wrote for the device: the "
-                             "half-precision CUDA form on cuda, cpu-fused on cpu; else the portable fp32 graphs), "
-                             "portable, or a form's name")
+                        help="which of the artifact's forms to run: auto (the half-precision CUDA form on cuda where "
+                             "export wrote one, else the portable fp32 graphs), portable, or a form's name")
     parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                         help="most GiB each graph's CUDA memory arena may hold (default: unbounded)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
@@ -353,15 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--prob-atol", type=float, default=1e-4, help="max |probability diff| vs torch")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     export.add_argument("--portable-only", action="store_true",
-                        help="write only the portable fp32 graphs, not the gated forms for CUDA and the CPU")
+                        help="write only the portable fp32 graphs, not the gated half-precision CUDA form")
     export.add_argument("--forms", metavar="NAME[,NAME]",
-                        help="the forms to try, of those the family declares (default: all, in order)")
+                        help="the half-precision forms to try, of those the family declares (default: all, in order)")
     export.add_argument("--add-forms", action="store_true",
-                        help="write the forms onto --out, an artifact already exported from SOURCE "
+                        help="write the half-precision forms onto --out, an artifact already exported from SOURCE "
                              "(for a gate on the forms' device); its portable graphs are kept")
     export.add_argument("--gate-device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="where the CUDA forms' answer gate runs (auto: CUDA when onnxruntime has it; the CPU's "
-                             "form is gated on the CPU)")
+                        help="where the half-precision form's answer gate runs (auto: CUDA when onnxruntime has it)")
     export.set_defaults(func=cmd_export)
 
     serve = sub.add_parser("serve", help="serve POST /v1/systemone", parents=[common], formatter_class=formatter)

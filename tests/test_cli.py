@@ -82,7 +82,7 @@ def test_an_offline_hub_id_is_one_line(capsys, tmp_path, monkeypatch):
 def test_portable_only_refuses_a_flag_that_asks_for_forms(capsys, tmp_path, flag):
     """Neither silently ignored nor, with --add-forms, a removal of the artifact's forms."""
     code, _, err = run(capsys, "export", "nobody/no-model", "--out", str(tmp_path / "out"), "--portable-only", *flag)
-    assert_one_line_error(code, err, f"--portable-only writes no other form; it cannot go with {flag[0]}")
+    assert_one_line_error(code, err, f"--portable-only writes no half-precision form; it cannot go with {flag[0]}")
 
 
 def test_debug_shows_the_traceback(tmp_path):
@@ -106,9 +106,7 @@ def test_serve_prints_what_it_serves(capsys, d3_artifact, monkeypatch):
     assert summary["model"] == "d3-tiny (also answers to jev-latest)"
     assert summary["artifact"] == f"{d3_artifact} (family d3, source d3-tiny)"
     assert summary["provider"] == "CPUExecutionProvider (--device cpu)"
-    # The CPU's own form: the fused vision graph in fp32 beside the portable text graph, gated.
-    assert summary["precision"].startswith("cpu-fused form (text portable, vision float32, readout float32; gate: 210 "
-                                           "questions")
+    assert summary["precision"] == "portable form (float32)"
     assert summary["address"] == "http://127.0.0.1:8123/v1/systemone"
 
 

@@ -163,18 +163,18 @@ def replace_session(encoder, session):
     return clone
 
 
-@pytest.mark.parametrize(("form", "bound"), [("cuda-fused-fp16", 1e-3), ("cpu-fused", 1e-5)])
-def test_the_fused_forms_attention_node_keeps_segments_apart(d3_artifact, form, bound):
-    """The fused vision graph (each block's attention one MultiHeadAttention node, the segments its batch), in the
-    CUDA form (read in fp16) and the CPU's (fp32): five segments in one run give each segment's rows alone."""
+def test_the_fused_forms_attention_node_keeps_segments_apart(d3_artifact):
+    """The CUDA form's vision graph (each block's attention one MultiHeadAttention node, the segments its batch):
+    five segments in one run give each segment's rows alone."""
     import json
 
     from systemone.runtime.session import GraphSession
 
     manifest = json.loads((d3_artifact / "manifest.json").read_text())
-    session = GraphSession(d3_artifact / manifest["forms"][form]["graphs"]["vision"], "cpu")
+    (form,) = manifest["forms"]
+    session = GraphSession(d3_artifact / f"vision.{form}.onnx", "cpu")
     h, w, side = 8, 12, manifest["vision"]["position_grid_side"]
     pixels = np.random.default_rng(7).standard_normal((5 * h * w, 1536)).astype(np.float32)
     together = session.run({"pixel_values": pixels, **vision_inputs(h, w, side, 2, 5)})[0]
     alone = [session.run({"pixel_values": part, **vision_inputs(h, w, side, 2)})[0] for part in np.split(pixels, 5)]
-    assert np.abs(together - np.concatenate(alone)).max() <= bound
+    assert np.abs(together - np.concatenate(alone)).max() <= 1e-3

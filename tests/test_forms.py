@@ -41,9 +41,8 @@ def test_export_writes_a_gated_half_precision_form(family, request):
     # Which nodes each rewritten graph runs in fp16 (d3's vision graph: its matrix products only, on every rung).
     assert form["precisions"] == {"text": "float16", "vision": "float16-matmuls"}
     assert all((artifact / file).is_file() for file in form["graphs"].values())
-    # The forms after it on the CUDA ladder are not needed: one form per provider set (the CPU's is below).
-    assert [name for name, form in manifest["forms"].items() if name != FORM[family] and "cuda" in form["providers"]
-            ] == []
+    # The forms after it on the ladder are not needed: one form per provider set.
+    assert [name for name in manifest["forms"] if name != FORM[family]] == []
     gate = form["gate"]
     assert gate["questions"] >= 200 and gate["max_abs_dp"] <= 0.02 and gate["median_abs_dp"] <= 0.003
     assert gate["clear_picks_differing"] == [] and gate["questions_with_clear_pick"] > 100
@@ -113,14 +112,12 @@ def test_the_form_rewrites_the_vision_graph_with_only_its_matrix_products_in_fp1
 def test_the_runtime_picks_the_form_for_its_device(d3_artifact):
     artifact = Artifact.load(d3_artifact)
     assert artifact.forms_for("cuda") == [FORM["d3"], "portable"]
-    assert artifact.forms_for("cpu") == ["cpu-fused", "portable"] and artifact.forms_for("rocm") == ["portable"]
+    assert artifact.forms_for("cpu") == ["portable"] and artifact.forms_for("rocm") == ["portable"]
     assert artifact.with_form("auto", "cuda").graph_path("text").name == "text.cuda-fused-fp16.onnx"
     assert artifact.with_form("auto", "cuda").graph_path("vision").name == "vision.cuda-fused-fp16.onnx"
-    # The CPU's form rewrites only the vision graph: its text graph is the portable one.
-    assert artifact.with_form("auto", "cpu").graph_path("vision").name == "vision.cpu-fused.onnx"
+    assert artifact.with_form("auto", "cpu").graph_path("vision").name == "vision.onnx"
     assert artifact.with_form("auto", "cpu").graph_path("text").name == "text.onnx"
-    assert artifact.with_form("auto", "rocm").graph_path("vision").name == "vision.onnx"
-    assert DecisionService(artifact, EngineOptions(device="cpu")).form == "cpu-fused"
+    assert DecisionService(artifact, EngineOptions(device="cpu")).form == "portable"
     with pytest.raises(ArtifactError, match="has no form 'bf16'.*portable, cuda-fused-fp16"):
         artifact.with_form("bf16", "cuda")
 
@@ -217,7 +214,7 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
     real = D3ExportConfig.forms
     monkeypatch.setattr(D3ExportConfig, "forms", lambda self: [
         replace(form, tolerance=AnswerTolerance(max_dp=1e-9)) if form.name != "cuda-fp16-matmuls" else form
-        for form in real(self) if form.providers == ("cuda",)])
+        for form in real(self)])
     import systemone.export.forms as forms_module
 
     exports, conversions = [], []
@@ -552,39 +549,3 @@ def test_the_fused_forms_vision_mlp_runs_its_tanh_gelu_as_one_node(family, reque
     assert len(gelus) == sum(n.op_type == "Tanh" for n in portable.graph.node) >= 1
     assert not any(n.op_type in ("Tanh", "Pow") for n in half.graph.node)
     assert all(n.domain == "com.microsoft" for n in gelus)
-
-
-@pytest.mark.parametrize("family", ["d3", "d1"])
-def test_the_cpus_form_is_the_fused_vision_graph_in_fp32_beside_the_portable_text_graph(family, request):
-    """For the CPU, export writes the vision graph with its fused nodes (onnxruntime's CPU kernels for them are
-    faster than the portable graph's ops and hold no n x n scores; README, "CPU") and every node in fp32, gated to
-    answer as the portable graphs do: within 1e-4 of the torch model on every question."""
-    artifact = request.getfixturevalue(f"{family}_artifact")
-    form = json.loads((artifact / "manifest.json").read_text())["forms"]["cpu-fused"]
-    assert form["dtype"] == "float32" and form["providers"] == ["cpu"] and "refused" not in form
-    assert form["graphs"] == {"vision": "vision.cpu-fused.onnx"} and form["precisions"] == {"vision": "float32"}
-    gate = form["gate"]
-    assert gate["questions"] >= 200 and gate["media_questions"] >= 40 and gate["provider"] == "CPUExecutionProvider"
-    assert gate["max_abs_dp"] <= 1e-4 and gate["clear_picks_differing"] == []
-    graph = onnx.load(str(artifact / form["graphs"]["vision"]), load_external_data=False).graph
-    assert sum(n.op_type == "MultiHeadAttention" for n in graph.node) >= 1
-    assert sum(n.op_type == "FastGelu" for n in graph.node) >= 1
-    assert not any(n.op_type == "Softmax" for n in graph.node)
-    # Nothing in half precision: no fp16 weight, no cast to fp16.
-    assert onnx.TensorProto.FLOAT16 not in {t.data_type for t in graph.initializer}
-    assert not any(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT16 for n in graph.node)
-
-
-@pytest.mark.parametrize("family", ["d3", "d1"])
-def test_on_the_cpu_an_image_request_answers_as_on_the_portable_graphs(family, request):
-    artifact = request.getfixturevalue(f"{family}_artifact")
-    body = {"state": {"ticket": "Parcel arrived crushed"}, "images": [image_url(640, 480, seed=5)],
-            "questions": {"damaged": {"type": "noul", "instructions": "Is the parcel damaged?"},
-                          "fault": {"type": "choice", "criteria": {"carrier": None, "sender": None, "nobody": None}}}}
-    cpu = DecisionService(Artifact.load(artifact), EngineOptions(device="cpu"))
-    portable = DecisionService(Artifact.load(artifact), EngineOptions(device="cpu", form="portable"))
-    assert cpu.form == "cpu-fused" and cpu.artifact.graph_path("vision").name == "vision.cpu-fused.onnx"
-    got, want = cpu.decide(body)["answers"], portable.decide(body)["answers"]
-    assert cpu.engine.vision_session.runs >= 1
-    for qid, answer in want.items():
-        assert max(abs(p - got[qid]["probabilities"][k]) for k, p in answer["probabilities"].items()) <= 1e-5

@@ -115,7 +115,7 @@ def test_a_shared_call_the_arena_cannot_hold_fails_only_the_request_whose_row_do
     lengths = [len(p.prompts[0].token_ids) for p in (*short, long)]
     assert max(lengths[:3]) < lengths[3] <= 2 * min(lengths[:3])  # long enough not to fit, close enough to share
     answers_alone = [service.answer(p) for p in short]
-    session = BoundedSession(service.artifact.graph_path("text"), most_tokens=max(lengths[:3]))
+    session = BoundedSession(d3_artifact / "text.onnx", most_tokens=max(lengths[:3]))
     service.engine.runner.session = session
     scheduler = Scheduler(service.engine, batch_rows=4, batch_wait_s=5.0)
     futures = [scheduler.submit(p, Deadline()) for p in (short[0], long, short[1], short[2])]
@@ -151,7 +151,7 @@ def test_a_vision_job_the_arena_cannot_hold_fails_only_the_request_that_does_not
     patches = [p.media.loaded.in_order()[0].pixels.shape[0] for p in (*small, big)]
     assert max(patches[:3]) < patches[3]
     answers_alone = [service.answer(p) for p in small]
-    service.engine.media.session = BoundedVision(service.artifact.graph_path("vision"), most_patches=max(patches[:3]))
+    service.engine.media.session = BoundedVision(d3_artifact / "vision.onnx", most_patches=max(patches[:3]))
     engine = service.engine
     started, release = threading.Event(), threading.Event()
     encode = engine.encode_media_many

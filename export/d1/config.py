@@ -23,8 +23,8 @@ from ...runtime.d1.image_processor import Lfm2ImageConfig
 from ...runtime.d1.state import D1TextRunner, StateLayout
 from ...runtime.session import GraphSession
 from ...runtime.tokenizer import PromptTokenizer
-from ..config import ExportConfig, Form, Gate, GraphSpec, RuntimeFiles, cpu_forms, cuda_forms
-from ..fused_ops import CPU_TRANSLATIONS, TRANSLATIONS
+from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
+from ..fused_ops import TRANSLATIONS as FUSED_TRANSLATIONS
 from ..half_precision import FLOAT16_MATMULS
 from ..parity import sample_prompts
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
@@ -218,26 +218,20 @@ class D1ExportConfig(ExportConfig):
                      "and as suffixes on a prefilled prefix", text),
                 Gate("checking the vision graph against LFM2-VL's image features", vision, graph="vision")]
 
-    def forms(self) -> list[Form]:
+    def forms(self) -> list[HalfForm]:
         from .answer_parity import parity_requests, question_pairs
 
         # The text graph at the rung's precision (its state in and out kept fp32); the vision graph with only its
         # matrix products in fp16 on every rung, as d3's (its norms, softmax and residual sums keep fp32's range),
         # converted from the fused one on the fused rungs (each layer's attention one MultiHeadAttention node read
         # in fp16, its GELU one FastGelu node) and from the portable one on the others. Every third gate request
-        # has images, so the gate runs both. The CPU's form: the fused vision graph with every node fp32, beside
-        # the portable text graph.
+        # has images, so the gate runs both.
         _, vision = self.graphs()
-
-        def fused_vision(translations: dict) -> GraphSpec:
-            return replace(vision, module=lambda: self.vision_graph(fused=True), translations=translations)
-
-        def answer_pairs(service) -> list:
-            return question_pairs(service, self, parity_requests(GATE_REQUESTS))
-
-        return [*cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)}, answer_pairs,
-                            fused={"vision": fused_vision(TRANSLATIONS)}, graph_precisions={"vision": FLOAT16_MATMULS}),
-                *cpu_forms({"vision": tuple(VISION_OUTPUTS)}, answer_pairs, {"vision": fused_vision(CPU_TRANSLATIONS)})]
+        fused = {"vision": replace(vision, module=lambda: self.vision_graph(fused=True),
+                                   translations=FUSED_TRANSLATIONS)}
+        return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
+                          lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)),
+                          fused=fused, graph_precisions={"vision": FLOAT16_MATMULS})
 
     def write_runtime_files(self, out: Path) -> RuntimeFiles:
         """Tokenizer (as transformers loads it for lfm2_vl: tokenizer.json as is, spec 3.4), the processor's chat

@@ -19,10 +19,10 @@ from ...runtime.batch import BatchBudget, MediaRows
 from ...runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
-from ..config import ExportConfig, Form, Gate, GraphSpec, RuntimeFiles, cpu_forms, cuda_forms
+from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
 from ..half_precision import FLOAT16_MATMULS
 from ..parity import check_parity, sample_prompts, worst_vision_sample
-from .fused_ops import CPU_VISION_TRANSLATIONS, TRANSLATIONS
+from .fused_ops import TRANSLATIONS
 from .qwen3_5_text import D3TextGraph
 from .qwen3_5_vision import D3VisionGraph
 
@@ -219,7 +219,7 @@ class D3ExportConfig(ExportConfig):
         return [Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts", text),
                 Gate("checking the vision graph against the torch vision tower", vision, graph="vision")]
 
-    def forms(self) -> list[Form]:
+    def forms(self) -> list[HalfForm]:
         from .answer_parity import parity_requests, question_pairs
 
         # Both graphs in half precision, each with its output in fp32: the text graph at the rung's precision (the
@@ -227,23 +227,13 @@ class D3ExportConfig(ExportConfig):
         # matrix products in fp16 on every rung (autocast's split: its norms and residual sums keep fp32's range),
         # converted from the fused one on the fused rungs (each block's attention one MultiHeadAttention node read
         # in fp16) and from the portable one on the others. The gate's media requests run it.
-        # The CPU's form: the fused vision graph with every node fp32, beside the portable text graph.
         text, vision = self.graphs()
-
-        def fused_vision(translations: dict) -> GraphSpec:
-            return replace(vision, module=lambda: self.vision_graph(fused=True), translations=translations)
-
         fused = {"text": replace(text, module=lambda: self.graph(fused=True), translations=TRANSLATIONS),
-                 "vision": fused_vision(TRANSLATIONS)}
+                 "vision": replace(vision, module=lambda: self.vision_graph(fused=True), translations=TRANSLATIONS)}
         requests = parity_requests(GATE_REQUESTS, GATE_MEDIA_EVERY)
-
-        def answer_pairs(service) -> list:
-            return question_pairs(service, self, requests)
-
-        return [*cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)}, answer_pairs,
-                            fused=fused, graph_precisions={"vision": FLOAT16_MATMULS}),
-                *cpu_forms({"vision": tuple(VISION_OUTPUTS)}, answer_pairs,
-                           {"vision": fused_vision(CPU_VISION_TRANSLATIONS)})]
+        return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
+                          lambda service: question_pairs(service, self, requests),
+                          fused=fused, graph_precisions={"vision": FLOAT16_MATMULS})
 
     def write_runtime_files(self, staging: Path) -> RuntimeFiles:
         bits = write_runtime_files(self.checkpoint, staging)

@@ -5,8 +5,7 @@ the vision graph, each block's attention as one node, which never materialises t
 
 Declared as export/fused_ops.py says (a torch custom op whose eager body is the portable graph's computation, and
 its translation to the `com.microsoft` node); `TRANSLATIONS` holds d3's and the shared ones (the vision blocks'
-`FastGelu`, and the `MultiHeadAttention` node read in fp16) for the CUDA form, `CPU_VISION_TRANSLATIONS` the vision
-graph's with every node in fp32, for the CPU's form. The nodes particular to d3, and the sums they compute:
+`FastGelu`, and the `MultiHeadAttention` node read in fp16). The nodes particular to d3, and the sums they compute:
 
 - `CausalConvWithState` (channels last, SiLU, no carried state): out[t] = silu(sum_k w[:, k] x[t - K + 1 + k]),
   zeros before the first token.
@@ -38,7 +37,8 @@ import torch.nn.functional as F
 from onnxscript import FLOAT, FLOAT16, INT32, INT64
 from onnxscript import opset18 as op
 
-from ..fused_ops import HALF_OR_FLOAT, MULTI_HEAD_ATTENTION, attention_node, contrib_op, translations
+from ..fused_ops import HALF_OR_FLOAT, MULTI_HEAD_ATTENTION, contrib_op, half_attention
+from ..fused_ops import TRANSLATIONS as SHARED_TRANSLATIONS
 from ..short_conv import shifted_conv
 from .delta_rule import chunked_rule, l2norm
 
@@ -181,16 +181,12 @@ def _(query, key, value, segments, heads, scale):
     return query.new_empty((query.shape[0], query.shape[1] * query.shape[2]))
 
 
-def _segment_attention(half_io: bool):
-    """The translation of `segment_attention`, its node reading fp16 where `half_io`."""
-    def segment_attention_node(query: FLOAT, key: FLOAT, value: FLOAT, segments: INT64, heads: int, scale: float
-                               ) -> FLOAT:
-        # [n, H, D] -> [n, H * D] -> [S, n / S, H * D], the op's layout with the segments as its batch.
-        rows = op.Reshape(query, op.Constant(value_ints=[0, -1]))
-        batched = op.Concat(op.Shape(segments), op.Constant(value_ints=[-1]), op.Shape(rows, start=1), axis=0)
-        q, k, v = (op.Reshape(op.Reshape(x, op.Constant(value_ints=[0, -1])), batched) for x in (query, key, value))
-        return op.Reshape(attention_node(q, k, v, heads, scale, half_io), op.Shape(rows))
-    return segment_attention_node
+def _segment_attention(query: FLOAT, key: FLOAT, value: FLOAT, segments: INT64, heads: int, scale: float) -> FLOAT:
+    # [n, H, D] -> [n, H * D] -> [S, n / S, H * D], the op's layout with the segments as its batch.
+    rows = op.Reshape(query, op.Constant(value_ints=[0, -1]))
+    batched = op.Concat(op.Shape(segments), op.Constant(value_ints=[-1]), op.Shape(rows, start=1), axis=0)
+    q, k, v = (op.Reshape(op.Reshape(x, op.Constant(value_ints=[0, -1])), batched) for x in (query, key, value))
+    return op.Reshape(half_attention(q, k, v, heads, scale), op.Shape(rows))
 
 
 # -- the text graph's full attention ---------------------------------------------------------------------------
@@ -251,16 +247,11 @@ def _patch_rotary(x: FLOAT, cos: FLOAT, sin: FLOAT, heads: int) -> FLOAT:
     return op.Reshape(out, op.Shape(x))
 
 
-TRANSLATIONS = {**translations(half_io=True),
+TRANSLATIONS = {**SHARED_TRANSLATIONS,
                 torch.ops.systemone.causal_conv_silu.default: _causal_conv,
                 torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
                 torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm,
                 torch.ops.systemone.skip_rms_norm.default: _skip_rms_norm,
-                torch.ops.systemone.segment_attention.default: _segment_attention(half_io=True),
+                torch.ops.systemone.segment_attention.default: _segment_attention,
                 torch.ops.systemone.padded_attention.default: _padded_attention,
                 torch.ops.systemone.patch_rotary.default: _patch_rotary}
-# The vision graph's ops with every node fp32: onnxruntime's CPU kernels for the text graph's fused ops are slower
-# than the portable graph (README, "Tried and not kept"), its vision ones faster.
-CPU_VISION_TRANSLATIONS = {**translations(half_io=False),
-                           torch.ops.systemone.segment_attention.default: _segment_attention(half_io=False),
-                           torch.ops.systemone.patch_rotary.default: _patch_rotary}
