@@ -69,10 +69,6 @@ def _(query, key, value, heads, scale):
     return query.new_empty(query.shape)
 
 
-def _batch_attention(query: FLOAT, key: FLOAT, value: FLOAT, heads: int, scale: float) -> FLOAT:
-    return half_attention(query, key, value, heads, scale)
-
-
 # -- the vision MLPs' activation ------------------------------------------------------------------------------------
 @torch.library.custom_op("systemone::gelu_tanh", mutates_args=())
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -89,5 +85,5 @@ def _fast_gelu(x: FLOAT) -> FLOAT:
     return FAST_GELU(x)
 
 
-TRANSLATIONS = {torch.ops.systemone.batch_attention.default: _batch_attention,
+TRANSLATIONS = {torch.ops.systemone.batch_attention.default: half_attention,
                 torch.ops.systemone.gelu_tanh.default: _fast_gelu}

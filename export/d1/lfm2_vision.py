@@ -27,6 +27,7 @@ class D1VisionGraph(nn.Module):
         self.projector = projector
         self.factor = factor
         self.fused = fused
+        self.fast_gelu = fused and vision_tower.config.hidden_act == "gelu_pytorch_tanh"  # FastGelu: tanh GELU only
 
     def forward(self, patches: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         tower = self.tower
@@ -51,8 +52,7 @@ class D1VisionGraph(nn.Module):
                               attn.scale)
         return attn.out_proj(out)
 
-    @staticmethod
-    def _mlp(mlp: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        if mlp.config.hidden_act != "gelu_pytorch_tanh":  # FastGelu is the tanh GELU only
-            return mlp(hidden)
-        return mlp.fc2(gelu_tanh(mlp.fc1(hidden)))
+    def _mlp(self, mlp: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fast_gelu:
+            return mlp.fc2(gelu_tanh(mlp.fc1(hidden)))
+        return mlp(hidden)
