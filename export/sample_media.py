@@ -23,9 +23,10 @@ def _encoded(rgb: np.ndarray, fmt: str) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def image_url(width: int, height: int, seed: int = 0) -> str:
-    """A PNG image as a data URL."""
-    return "data:image/png;base64," + _encoded(sample_rgb(width, height, seed), "PNG")
+def image_url(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> str:
+    """An image as a data URL: PNG (lossless, so the gates' pixels are exactly the generated ones; the noise makes it
+    a slow decode, about 3 MB at 1024x1024) or JPEG (as photos are sent)."""
+    return f"data:image/{fmt.lower()};base64," + _encoded(sample_rgb(width, height, seed), fmt)
 
 
 def jpeg_video_url(width: int, height: int, frames: int, seed: int = 0) -> str:

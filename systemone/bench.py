@@ -138,7 +138,9 @@ class D1Workload(Workload):
         from .export.d1.answer_parity import sixteen_questions
         from .export.sample_media import image_url
 
-        image = image_url(1024, 1024, seed=7)
+        # The same pixels as a PNG and as a JPEG: the PNG's decode (its noise does not compress) is the larger
+        # share of the request's host time, and photos arrive as JPEGs.
+        images = {fmt: image_url(1024, 1024, seed=7, fmt=fmt) for fmt in ("PNG", "JPEG")}
 
         def one(i: int) -> dict[str, Any]:
             return {"state": {**SNAKE_STATE, "turn": 41 + i}, "questions": SNAKE_QUESTIONS}
@@ -148,12 +150,12 @@ class D1Workload(Workload):
             body["state"]["tier"] = f"gold-{i}"
             return body
 
-        def sixteen_image(i: int) -> dict[str, Any]:
-            body = sixteen(i)
-            body["images"] = [image]
-            return body
+        def sixteen_image(fmt: str) -> Callable[[int], dict[str, Any]]:
+            return lambda i: {**sixteen(i), "images": [images[fmt]]}
 
-        return {"one_question": one, "sixteen_questions": sixteen, "sixteen_questions_1024px_image": sixteen_image}
+        return {"one_question": one, "sixteen_questions": sixteen,
+                "sixteen_questions_1024px_image": sixteen_image("PNG"),
+                "sixteen_questions_1024px_jpeg": sixteen_image("JPEG")}
 
 
 WORKLOADS = {"d3": D3Workload, "d1": D1Workload}
