@@ -25,7 +25,7 @@ def _encoded(rgb: np.ndarray, fmt: str) -> str:
 
 def image_url(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> str:
     """An image as a data URL: PNG (lossless, so the gates' pixels are exactly the generated ones; the noise makes it
-    a slow decode, about 3 MB at 1024x1024) or JPEG (as photos are sent)."""
+    a slow decode, 2.4 MB at 1024x1024) or JPEG (as photos are sent)."""
     return f"data:image/{fmt.lower()};base64," + _encoded(sample_rgb(width, height, seed), fmt)
 
 

@@ -79,10 +79,11 @@ def request_stages(service: DecisionService, requests: int) -> None:
 
 def image_stages(service: DecisionService, baseline: GraphSession | None, portable: GraphSession | None) -> None:
     encoder = service.engine.media
-    for fmt in ("PNG", "JPEG"):  # the same pixels; the request above sends the PNG
-        data = base64.b64decode(image_url(1024, 1024, seed=7, fmt=fmt).split(",", 1)[1])
+    # The same pixels as a PNG and a JPEG; the request above sends the PNG, whose pixels the stages below take.
+    files = {fmt: base64.b64decode(image_url(1024, 1024, seed=7, fmt=fmt).split(",", 1)[1]) for fmt in ("PNG", "JPEG")}
+    for fmt, data in files.items():
         print(f"decode ({fmt}, {len(data) / 1e6:.2f} MB)", median_ms(lambda: decode_image(data, "image")))
-    rgb = decode_image(base64.b64decode(image_url(1024, 1024, seed=7).split(",", 1)[1]), "image")
+    rgb = decode_image(files["PNG"], "image")
     capped = np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)
     print("cap", median_ms(lambda: np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)))
     image = lfm2_image(capped, encoder.config)
