@@ -9,7 +9,11 @@ exporter places inputs and attributes by it). The nodes here, and the sums they 
 - `MultiHeadAttention` (no mask): out = softmax(scale q k^T) v per head over each row of a batch, read in fp16 (on
   CUDA its flash and memory-efficient kernels run in half precision and accumulate in fp32) and returned in fp32:
   a vision tower's attention over an image's patches (d1: one row a crop; d3: one a segment), which never
-  materialises the n x n scores the portable graph writes in fp32.
+  materialises the n x n scores the portable graph writes in fp32. The families' text graphs write their own
+  (export/d1/fused_ops.py, export/d3/fused_ops.py).
+- `SkipSimplifiedLayerNormalization`: the residual sum s = x + u and the RMS norm s / sqrt(mean(s^2) + eps) * w of
+  it, both returned, in fp32: one kernel for each layer's sum and the next norm, where onnxruntime ran an Add and a
+  norm that read the sum again (its own fusion passes a sum that anything else reads).
 - `FastGelu`: y = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh GELU of the vision towers' MLPs, one
   kernel in place of the eight elementwise nodes its export writes (each a pass over n x intermediate fp32 values).
 """
@@ -42,6 +46,12 @@ MULTI_HEAD_ATTENTION = contrib_op("MultiHeadAttention",
                                   [_Param("output", "T")], [("T", HALF_OR_FLOAT, ""), ("M", ["tensor(int32)"], "")],
                                   {"num_heads": _AttrType.INT, "scale": _AttrType.FLOAT,
                                    "unidirectional": _AttrType.INT})
+SKIP_RMS_NORM = contrib_op("SkipSimplifiedLayerNormalization",
+                           [_Param("input", "T"), _Param("skip", "T"), _Param("gamma", "T")],
+                           [_Param("output", "T"), _Param("mean", "U", param_option=_Option.Optional),
+                            _Param("inv_std_var", "U", param_option=_Option.Optional),
+                            _Param("input_skip_bias_sum", "T", param_option=_Option.Optional)],
+                           [("T", HALF_OR_FLOAT, ""), ("U", ["tensor(float)"], "")], {"epsilon": _AttrType.FLOAT})
 FAST_GELU = contrib_op("FastGelu", [_Param("X", "T")], [_Param("Y", "T")], [("T", HALF_OR_FLOAT, "")], {})
 
 
@@ -69,6 +79,33 @@ def _(query, key, value, heads, scale):
     return query.new_empty(query.shape)
 
 
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over the root of its mean square along the last axis: the RMS norm before its scale, as the portable graph
+    computes it and the norms' eager bodies below do."""
+    # Divided by the root rather than times its reciprocal: the pattern onnxruntime fuses into one
+    # SimplifiedLayerNormalization kernel (fp32 accumulation, one launch instead of six).
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# -- the residual sum and the norm after it ------------------------------------------------------------------------
+@torch.library.custom_op("systemone::skip_rms_norm", mutates_args=())
+def skip_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, update [..., C], weight [C], fp32 -> (the RMS norm of x + update, scaled by weight; x + update)."""
+    total = x + update
+    return rms(total, eps) * weight, total
+
+
+@skip_rms_norm.register_fake
+def _(x, update, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _skip_rms_norm(x: FLOAT, update: FLOAT, weight: FLOAT, eps: float) -> tuple[FLOAT, FLOAT]:
+    normed, _, _, total = SKIP_RMS_NORM(x, update, weight, epsilon=eps)
+    return normed, total
+
+
 # -- the vision MLPs' activation ------------------------------------------------------------------------------------
 @torch.library.custom_op("systemone::gelu_tanh", mutates_args=())
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -86,4 +123,5 @@ def _fast_gelu(x: FLOAT) -> FLOAT:
 
 
 TRANSLATIONS = {torch.ops.systemone.batch_attention.default: half_attention,
+                torch.ops.systemone.skip_rms_norm.default: _skip_rms_norm,
                 torch.ops.systemone.gelu_tanh.default: _fast_gelu}

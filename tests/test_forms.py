@@ -496,6 +496,101 @@ def test_a_fused_form_question_answers_alike_alone_and_beside_longer_rows(mode, 
     assert np.abs(together - alone).max() <= 2e-3
 
 
+def test_the_fused_d1_text_graph_in_torch_is_the_portable_one(d1_checkpoint):
+    """d1's fused ops' eager bodies (attention over the past and the call, the residual sum inside the next norm)
+    are the portable text graph's: both modules agree on a batch of two rows after a past of 23 tokens, on the
+    reads and on the state they return."""
+    import torch
+
+    from systemone.export.d1.config import D1ExportConfig
+
+    config = D1ExportConfig(d1_checkpoint)
+    inputs = config.example_inputs()
+    with torch.no_grad():
+        portable, fused = (config.graph(fused=fused)(*inputs) for fused in (False, True))
+    assert torch.equal(portable[1], fused[1])
+    for want, got in zip(portable[:1] + portable[2:], fused[:1] + fused[2:], strict=True):
+        assert torch.allclose(want, got, atol=1e-5), (want - got).abs().max()
+
+
+@pytest.mark.parametrize("past", [0, 9])
+def test_the_past_attention_node_reads_the_past_and_its_own_row_up_to_itself(past, tmp_path):
+    """The d1 fused form's attention node, as exported and run by onnxruntime: every query of a call reads all of
+    the past (batch 1, shared by the call's rows) and its own row's keys up to itself (query t after P past tokens:
+    keys 0 .. P + t), query head h reading key head h // 4 at 8 query and 2 key heads; an empty past is a
+    prefill. Against attention written out in numpy (fp16 inputs: within 2e-3)."""
+    import torch
+
+    from systemone.export.d1.fused_ops import TRANSLATIONS, past_attention
+    from systemone.runtime.session import GraphSession
+
+    class Attention(torch.nn.Module):
+        def forward(self, query, key, value, past_key, past_value):
+            return past_attention(query, key, value, past_key, past_value, 8, 0.25)
+
+    rng = np.random.default_rng(0)
+    batch, length, dim = 3, 6, 16
+    shapes = [(batch, 8, length, dim), (batch, 2, length, dim), (batch, 2, length, dim), (1, 2, past, dim),
+              (1, 2, past, dim)]
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    names = ["query", "key", "value", "past_key", "past_value"]
+    dynamic = torch.export.Dim.DYNAMIC
+    program = torch.onnx.export(Attention(), tuple(torch.from_numpy(a) for a in arrays), dynamo=True,
+                                custom_translation_table=TRANSLATIONS, input_names=names,
+                                dynamic_shapes=({0: dynamic, 2: dynamic},) * 3 + ({2: dynamic},) * 2)
+    program.save(str(tmp_path / "attention.onnx"))
+    got = GraphSession(tmp_path / "attention.onnx", "cpu").run(dict(zip(names, arrays)))[0]
+
+    query, key, value, past_key, past_value = (a.astype(np.float64) for a in arrays)
+    keys = np.repeat(np.concatenate([np.repeat(past_key, batch, 0), key], axis=2), 4, axis=1)
+    values = np.repeat(np.concatenate([np.repeat(past_value, batch, 0), value], axis=2), 4, axis=1)
+    scores = 0.25 * query @ keys.transpose(0, 1, 3, 2)
+    seen = np.arange(past + length)[None, :] <= np.arange(length)[:, None] + past
+    scores = np.where(seen, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (probs / probs.sum(-1, keepdims=True) @ values).transpose(0, 2, 1, 3).reshape(batch, length, 8 * dim)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 2e-3
+
+
+def test_the_d1_fused_forms_text_attention_is_one_node_a_layer_reading_the_past(d1_artifact):
+    """Each LFM2 attention layer of d1's fused text graph is one MultiHeadAttention node: fp16 query, key and value
+    with the past as its past inputs, causal (`unidirectional`), no mask; no Softmax (no scores) is left. Each
+    layer's residual sum runs inside the next norm."""
+    half = onnx.load(str(d1_artifact / "text.cuda-fused-fp16.onnx"), load_external_data=False)
+    portable = onnx.load(str(d1_artifact / "text.onnx"), load_external_data=False)
+    attention = [n for n in half.graph.node if n.op_type == "MultiHeadAttention"]
+    assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
+    assert not any(n.op_type == "Softmax" for n in half.graph.node)
+    for node in attention:
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attributes["unidirectional"] == 1
+        assert node.input[3:6] == ["", "", ""] and node.input[6] and node.input[7]
+    layers = len(Artifact.load(d1_artifact).manifest.model["layer_types"])
+    assert sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in half.graph.node) == 2 * layers - 1
+
+
+def test_a_d1_fused_form_suffix_reads_alike_alone_and_beside_longer_rows(d1_artifact):
+    """On a prefilled prefix, a question's suffix read through the fused form gives the same log-probabilities
+    alone and in a right-padded call beside longer suffixes (half precision: within 2e-3): its answer does not
+    depend on its batch mates."""
+    from systemone.runtime.batch import BatchBudget
+    from systemone.runtime.d1.state import D1TextRunner, StateLayout
+    from systemone.runtime.session import GraphSession
+
+    layout = StateLayout.from_manifest(Artifact.load(d1_artifact).manifest.model)
+    runner = D1TextRunner(GraphSession(d1_artifact / "text.cuda-fused-fp16.onnx", "cpu"), layout, BatchBudget())
+    runner.cost = None  # calls filled as far as the budgets allow: the three suffixes in one call
+    rng = np.random.default_rng(0)
+    snapshot = runner.extend(runner.empty(), rng.integers(0, 5000, 57).tolist())
+    suffixes = [rng.integers(0, 5000, n).tolist() for n in (4, 19, 11)]
+    labels = [5, 17, 300]
+    assert runner.budget.plan([len(s) for s in suffixes], snapshot.length) == [[1, 2, 0]]
+    together = runner.suffix_logprobs(snapshot, suffixes, labels)[0]
+    alone = np.concatenate([runner.suffix_logprobs(snapshot, [s], labels)[0] for s in suffixes])
+    assert np.abs(together - alone).max() <= 2e-3
+
+
 @pytest.mark.parametrize("family", ["d3", "d1"])
 def test_the_fused_vision_graph_in_torch_is_the_portable_one(family, request):
     """The fused ops' eager bodies (d3's rotary; attention, tanh GELU) are the portable vision graph's: both modules

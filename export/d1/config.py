@@ -24,9 +24,9 @@ from ...runtime.d1.state import D1TextRunner, StateLayout
 from ...runtime.session import GraphSession
 from ...runtime.tokenizer import PromptTokenizer
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
-from ..fused_ops import TRANSLATIONS as FUSED_TRANSLATIONS
 from ..half_precision import FLOAT16_MATMULS
 from ..parity import sample_prompts
+from .fused_ops import TRANSLATIONS
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
 from .lfm2_text import D1TextGraph
 from .lfm2_vision import D1VisionGraph
@@ -88,8 +88,8 @@ class D1ExportConfig(ExportConfig):
         return self.text_config.hidden_size // self.text_config.num_attention_heads
 
     # -- graphs ----------------------------------------------------------------------------------------------
-    def graph(self) -> D1TextGraph:
-        return D1TextGraph(self.model.model.language_model, self.model.lm_head).eval()
+    def graph(self, fused: bool = False) -> D1TextGraph:
+        return D1TextGraph(self.model.model.language_model, self.model.lm_head, fused).eval()
 
     def state_shapes(self, past: int) -> list[tuple[int, ...]]:
         """Shapes of the past state inputs (batch 1) after a prefix of `past` tokens, in input order."""
@@ -226,9 +226,9 @@ class D1ExportConfig(ExportConfig):
         # converted from the fused one on the fused rungs (each layer's attention one MultiHeadAttention node read
         # in fp16, its GELU one FastGelu node) and from the portable one on the others. Every third gate request
         # has images, so the gate runs both.
-        _, vision = self.graphs()
-        fused = {"vision": replace(vision, module=lambda: self.vision_graph(fused=True),
-                                   translations=FUSED_TRANSLATIONS)}
+        text, vision = self.graphs()
+        fused = {"text": replace(text, module=lambda: self.graph(fused=True), translations=TRANSLATIONS),
+                 "vision": replace(vision, module=lambda: self.vision_graph(fused=True), translations=TRANSLATIONS)}
         return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
                           lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)),
                           fused=fused, graph_precisions={"vision": FLOAT16_MATMULS})

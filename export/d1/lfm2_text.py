@@ -16,6 +16,9 @@ Outputs: label_logprobs [B, K] float32 (full-vocabulary log-softmax at each row'
 
 Right padding keeps every real token's computation exact: attention and the short convolution are causal, so a
 row's pads come after it and never reach it.
+
+`fused` writes the CUDA form's graph: each attention layer one onnxruntime MultiHeadAttention node reading the past
+as its past inputs, each residual sum inside the next norm (`fused_ops.py`, export/fused_ops.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..short_conv import shifted_conv
+from ..fused_ops import skip_rms_norm
+from .fused_ops import past_attention
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,13 +44,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Lfm2AttentionBlock(nn.Module):
-    """Grouped-query attention over [past ; this call] with rotary positions P..P+T-1 (LFM2's q/k RMS norms)."""
+    """Grouped-query attention over [past ; this call] with rotary positions P..P+T-1 (LFM2's q/k RMS norms).
+    `fused`: the scores, mask and softmax as one onnxruntime MultiHeadAttention node (the CUDA form,
+    `fused_ops.py`)."""
 
-    def __init__(self, attn, eps: float):
+    def __init__(self, attn, eps: float, fused: bool = False):
         super().__init__()
         self.attn = attn
         self.eps = eps
+        self.fused = fused
         self.head_dim = attn.head_dim
+        self.heads = attn.q_proj.out_features // attn.head_dim
         self.groups = attn.num_key_value_groups
 
     def forward(self, x, cos, sin, causal, past_key, past_value):
@@ -59,6 +68,9 @@ class Lfm2AttentionBlock(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         kv_heads = k.shape[1]
+        if self.fused:
+            out = past_attention(q, k, v, past_key, past_value, self.heads, hd**-0.5)
+            return self.attn.out_proj(out), k, v
         # Query head h reads kv head h // groups: fold the group into the query rows, so K/V are never repeated.
         q = q.reshape(batch, kv_heads, self.groups * length, hd) * (hd**-0.5)
         past_scores = torch.matmul(q, past_key.transpose(2, 3))  # [B, kvh, g*T, P], past broadcast over B
@@ -93,16 +105,17 @@ class Lfm2ConvBlock(nn.Module):
 class D1TextGraph(nn.Module):
     """LFM2 decoder (weights shared with transformers' `Lfm2Model`) + tied LM head log-softmax at the last token."""
 
-    def __init__(self, language_model, lm_head: nn.Linear):
+    def __init__(self, language_model, lm_head: nn.Linear, fused: bool = False):
         super().__init__()
         self.lm = language_model
         self.lm_head = lm_head  # tied to embed_tokens in LFM2: the graph then holds the table once
+        self.fused = fused
         config = language_model.config
         self.eps = config.norm_eps
         self.register_buffer("inv_freq", language_model.rotary_emb.inv_freq.detach().clone(), persistent=False)
         self.blocks = nn.ModuleList(
-            Lfm2AttentionBlock(layer.self_attn, self.eps) if layer.is_attention_layer else Lfm2ConvBlock(layer.conv)
-            for layer in language_model.layers)
+            Lfm2AttentionBlock(layer.self_attn, self.eps, fused) if layer.is_attention_layer
+            else Lfm2ConvBlock(layer.conv) for layer in language_model.layers)
 
     def forward(self, input_ids, media_embeds, media_index, last_index, label_ids, states):
         batch, length = input_ids.shape
@@ -117,23 +130,34 @@ class D1TextGraph(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         causal = torch.where(steps[None, :] <= steps[:, None], 0.0, torch.finfo(torch.float32).min)
         new_states = []
+        update = None
         for layer, block, past in zip(self.lm.layers, self.blocks, self._split(states)):
-            normed = _rms_norm(hidden, layer.operator_norm.weight, self.eps)
+            normed, hidden = self._add_norm(hidden, update, layer.operator_norm.weight)
             if isinstance(block, Lfm2AttentionBlock):
                 out, key, value = block(normed, cos, sin, causal, *past)
                 new_states += [key, value]
             else:
                 out, window = block(normed, *past)
                 new_states.append(window)
-            hidden = hidden + out
             ff = layer.feed_forward
-            normed = _rms_norm(hidden, layer.ffn_norm.weight, self.eps)
-            hidden = hidden + ff.w2(F.silu(ff.w1(normed)) * ff.w3(normed))
+            normed, hidden = self._add_norm(hidden, out, layer.ffn_norm.weight)
+            update = ff.w2(F.silu(ff.w1(normed)) * ff.w3(normed))
+        hidden = hidden + update
         last = hidden[torch.arange(batch, device=hidden.device), last_index]
         last = _rms_norm(last, self.lm.embedding_norm.weight, self.eps)
         logits = self.lm_head(last)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         return (logprobs[:, label_ids], torch.argmax(logits, dim=-1), *new_states)
+
+    def _add_norm(self, hidden: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of the residual stream after `update` is added, the stream); fused: one node for both."""
+        if update is None:
+            return _rms_norm(hidden, weight, self.eps), hidden
+        if self.fused:
+            return skip_rms_norm(hidden, update, weight, self.eps)
+        hidden = hidden + update
+        return _rms_norm(hidden, weight, self.eps), hidden
 
     def _split(self, states):
         """The flat state tuple regrouped per layer: (key, value) for attention layers, (conv,) for conv layers."""

@@ -5,7 +5,8 @@ the vision graph, each block's attention as one node, which never materialises t
 
 Declared as export/fused_ops.py says (a torch custom op whose eager body is the portable graph's computation, and
 its translation to the `com.microsoft` node); `TRANSLATIONS` holds d3's and the shared ones (the vision blocks'
-`FastGelu`, and the `MultiHeadAttention` node read in fp16). The nodes particular to d3, and the sums they compute:
+`FastGelu`, the `MultiHeadAttention` node read in fp16, and each residual sum inside the next norm as a
+`SkipSimplifiedLayerNormalization` node). The nodes particular to d3, and the sums they compute:
 
 - `CausalConvWithState` (channels last, SiLU, no carried state): out[t] = silu(sum_k w[:, k] x[t - K + 1 + k]),
   zeros before the first token.
@@ -15,9 +16,6 @@ its translation to the `com.microsoft` node); `TRANSLATIONS` holds d3's and the 
   tensor-core engine runs only with fp16 query/key/value (128-wide heads): the node reads them in fp16; decay,
   update rate and state stay fp32 (the op's contract).
 - `GatedRMSNorm` (SiLU gate): y = x / sqrt(mean(x^2) + eps) * w * silu(z), over each head's values.
-- `SkipSimplifiedLayerNormalization`: the residual sum s = x + u and the RMS norm s / sqrt(mean(s^2) + eps) * w of
-  it, both returned, in fp32: one kernel for each layer's sum and the next norm, where onnxruntime ran an Add and a
-  norm that read the sum again (its own fusion passes a sum that anything else reads).
 - `RotaryEmbedding` (not interleaved; one cos/sin row a patch, position i reading row i): the vision blocks' 2-D
   rotary, x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), one kernel for query and one for key in place of
   eleven nodes, in fp32.
@@ -37,7 +35,7 @@ import torch.nn.functional as F
 from onnxscript import FLOAT, FLOAT16, INT32, INT64
 from onnxscript import opset18 as op
 
-from ..fused_ops import HALF_OR_FLOAT, MULTI_HEAD_ATTENTION, contrib_op, half_attention
+from ..fused_ops import HALF_OR_FLOAT, MULTI_HEAD_ATTENTION, contrib_op, half_attention, rms
 from ..fused_ops import TRANSLATIONS as SHARED_TRANSLATIONS
 from ..short_conv import shifted_conv
 from .delta_rule import chunked_rule, l2norm
@@ -60,23 +58,9 @@ ROTARY_EMBEDDING = contrib_op("RotaryEmbedding", [_Param("input", "T"), _Param("
                                                   _Param("cos_cache", "T"), _Param("sin_cache", "T")],
                               [_Param("output", "T")], [("T", HALF_OR_FLOAT, ""), ("M", ["tensor(int64)"], "")],
                               {"num_heads": _AttrType.INT, "interleaved": _AttrType.INT})
-SKIP_RMS_NORM = contrib_op("SkipSimplifiedLayerNormalization",
-                           [_Param("input", "T"), _Param("skip", "T"), _Param("gamma", "T")],
-                           [_Param("output", "T"), _Param("mean", "U", param_option=_Option.Optional),
-                            _Param("inv_std_var", "U", param_option=_Option.Optional),
-                            _Param("input_skip_bias_sum", "T", param_option=_Option.Optional)],
-                           [("T", HALF_OR_FLOAT, ""), ("U", ["tensor(float)"], "")], {"epsilon": _AttrType.FLOAT})
 GATED_RMS_NORM = contrib_op("GatedRMSNorm", [_Param("X", "T"), _Param("scale", "T"), _Param("gate", "T")],
                             [_Param("Y", "T")], [("T", HALF_OR_FLOAT, "")],
                             {"epsilon": _AttrType.FLOAT, "activation": _AttrType.STRING})
-
-
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x over the root of its mean square along the last axis: the RMS norm before its scale, as the portable graph
-    computes it and the norms' eager bodies below do."""
-    # Divided by the root rather than times its reciprocal: the pattern onnxruntime fuses into one
-    # SimplifiedLayerNormalization kernel (fp32 accumulation, one launch instead of six).
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 # -- the short convolution ---------------------------------------------------------------------------------------
@@ -143,25 +127,6 @@ def _(x, weight, gate, eps):
 
 def _gated_rms_norm(x: FLOAT, weight: FLOAT, gate: FLOAT, eps: float) -> FLOAT:
     return GATED_RMS_NORM(x, weight, gate, epsilon=eps, activation="silu")
-
-
-# -- the residual sum and the norm after it ------------------------------------------------------------------------
-@torch.library.custom_op("systemone::skip_rms_norm", mutates_args=())
-def skip_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, update [..., C], weight [C], fp32 -> (the RMS norm of x + update, scaled by weight; x + update)."""
-    total = x + update
-    return rms(total, eps) * weight, total
-
-
-@skip_rms_norm.register_fake
-def _(x, update, weight, eps):
-    return x.new_empty(x.shape), x.new_empty(x.shape)
-
-
-def _skip_rms_norm(x: FLOAT, update: FLOAT, weight: FLOAT, eps: float) -> tuple[FLOAT, FLOAT]:
-    normed, _, _, total = SKIP_RMS_NORM(x, update, weight, epsilon=eps)
-    return normed, total
 
 
 # -- the vision tower's attention ---------------------------------------------------------------------------------
@@ -251,7 +216,6 @@ TRANSLATIONS = {**SHARED_TRANSLATIONS,
                 torch.ops.systemone.causal_conv_silu.default: _causal_conv,
                 torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
                 torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm,
-                torch.ops.systemone.skip_rms_norm.default: _skip_rms_norm,
                 torch.ops.systemone.segment_attention.default: _segment_attention,
                 torch.ops.systemone.padded_attention.default: _padded_attention,
                 torch.ops.systemone.patch_rotary.default: _patch_rotary}

@@ -25,7 +25,8 @@ from torch import nn
 
 from ..short_conv import shifted_conv
 from .delta_rule import chunk_gated_delta_rule
-from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention, rms, skip_rms_norm
+from ..fused_ops import rms, skip_rms_norm
+from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention
 
 
 def _slices(weight: torch.Tensor, sizes: list[int]) -> nn.ParameterList:
