@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -455,6 +456,17 @@ def test_twin_casts_the_converter_writes_for_a_value_listed_twice_are_made_one()
         drop_twin_casts(graph)
 
 
+def fused_attention_nodes(artifact: Path, graph: str, form: str) -> tuple[onnx.ModelProto, list]:
+    """The form's `graph` and its MultiHeadAttention nodes: one for each attention of the portable graph (each of
+    its Softmax nodes), with no Softmax (no scores held) left."""
+    half = onnx.load(str(artifact / f"{graph}.{form}.onnx"), load_external_data=False)
+    portable = onnx.load(str(artifact / f"{graph}.onnx"), load_external_data=False)
+    attention = [n for n in half.graph.node if n.op_type == "MultiHeadAttention"]
+    assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
+    assert not any(n.op_type == "Softmax" for n in half.graph.node)
+    return half, attention
+
+
 @pytest.mark.parametrize("mode", ["noncausal", "causal"])
 def test_the_fused_forms_text_attention_is_one_node_a_layer_that_never_holds_the_scores(mode, request):
     """Each full-attention layer of the fused text graph is one MultiHeadAttention node over fp16 query, key and
@@ -462,12 +474,7 @@ def test_the_fused_forms_text_attention_is_one_node_a_layer_that_never_holds_the
     never seen). Bidirectional: the keys bounded by each row's length, as 3B + 2 int32 (lengths, query starts, key
     starts), the layout onnxruntime's CUDA memory-efficient kernel takes."""
     artifact = request.getfixturevalue("d3_artifact" if mode == "noncausal" else "d3_causal_artifact")
-    form = Artifact.load(artifact).forms_for("cuda")[0]
-    half = onnx.load(str(artifact / f"text.{form}.onnx"), load_external_data=False)
-    portable = onnx.load(str(artifact / "text.onnx"), load_external_data=False)
-    attention = [n for n in half.graph.node if n.op_type == "MultiHeadAttention"]
-    assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
-    assert not any(n.op_type == "Softmax" for n in half.graph.node)
+    _, attention = fused_attention_nodes(artifact, "text", Artifact.load(artifact).forms_for("cuda")[0])
     for node in attention:
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if mode == "causal":
@@ -557,11 +564,7 @@ def test_the_d1_fused_forms_text_attention_is_one_node_a_layer_reading_the_past(
     """Each LFM2 attention layer of d1's fused text graph is one MultiHeadAttention node: fp16 query, key and value
     with the past as its past inputs, causal (`unidirectional`), no mask; no Softmax (no scores) is left. Each
     layer's residual sum runs inside the next norm."""
-    half = onnx.load(str(d1_artifact / "text.cuda-fused-fp16.onnx"), load_external_data=False)
-    portable = onnx.load(str(d1_artifact / "text.onnx"), load_external_data=False)
-    attention = [n for n in half.graph.node if n.op_type == "MultiHeadAttention"]
-    assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
-    assert not any(n.op_type == "Softmax" for n in half.graph.node)
+    half, attention = fused_attention_nodes(d1_artifact, "text", "cuda-fused-fp16")
     for node in attention:
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attributes["unidirectional"] == 1
@@ -611,12 +614,7 @@ def test_the_fused_vision_graph_in_torch_is_the_portable_one(family, request):
 def test_the_fused_forms_vision_graph_runs_each_blocks_attention_as_one_node(family, request):
     """No n x n scores: each vision block's attention is one MultiHeadAttention node (flash or memory-efficient
     attention on CUDA) reading fp16 query, key and value; no Softmax is left."""
-    artifact = request.getfixturevalue(f"{family}_artifact")
-    half = onnx.load(str(artifact / "vision.cuda-fused-fp16.onnx"), load_external_data=False)
-    portable = onnx.load(str(artifact / "vision.onnx"), load_external_data=False)
-    attention = [n for n in half.graph.node if n.op_type == "MultiHeadAttention"]
-    assert len(attention) == sum(n.op_type == "Softmax" for n in portable.graph.node) >= 1
-    assert not any(n.op_type == "Softmax" for n in half.graph.node)
+    _, attention = fused_attention_nodes(request.getfixturevalue(f"{family}_artifact"), "vision", "cuda-fused-fp16")
     assert all(n.domain == "com.microsoft" for n in attention)
 
 
