@@ -1,4 +1,6 @@
-"""CUDA graphs for a text graph's small runs (docs/gpu.md, "CUDA graphs").
+"""CUDA graphs for a text graph's small runs (docs/gpu.md, "CUDA graphs"): d3's rows, and d1's whole prompts from an
+empty state (its one-question requests; a prefix and its suffix reads have a past of any length and run
+uncaptured).""
 
 A batch of a few short prompts is bound by launches, not arithmetic: hundreds of small kernels, each with
 onnxruntime's host-side work around it. onnxruntime's CUDA provider can capture a whole run as one CUDA graph and
@@ -22,7 +24,7 @@ capture ever happens while serving.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -123,7 +125,9 @@ class CapturedRuns:
     def refused(self, feeds: dict[str, np.ndarray]) -> bool:
         return self._key(feeds) in self.too_large
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[int] | None = None) -> list[np.ndarray]:
+        """The replay's outputs copied back: all of them, or those at `outputs` (d1's reads, not the state its rows
+        add, which stays in the shape's buffers)."""
         key = self._key(feeds)
         with self.lock:
             binding = self.bindings.get(key)
@@ -141,4 +145,5 @@ class CapturedRuns:
                 for name, value in binding.inputs.items():
                     value.update_inplace(np.ascontiguousarray(feeds[name]))
             self.session.run_with_iobinding(binding.binding, binding.run_options)
-            return [value.numpy() for value in binding.outputs]
+            wanted = range(len(binding.outputs)) if outputs is None else outputs
+            return [binding.outputs[i].numpy() for i in wanted]

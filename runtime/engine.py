@@ -88,7 +88,7 @@ class Engine(ABC):
 
     def warm_up(self) -> None:
         """Start-up work that belongs to the thread that will run the graphs, called on it before any other thread
-        runs one (the scheduler's engine thread; a direct caller's own): d3 captures its CUDA graphs here
+        runs one (the scheduler's engine thread; a direct caller's own): d1 and d3 capture their CUDA graphs here
         (runtime/cuda_graphs.py). Nothing by default."""
 
     def use_call_cost(self, cost: CallCost) -> None:

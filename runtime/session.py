@@ -189,11 +189,12 @@ class GraphSession:
             self.session.run_with_iobinding(binding, run_options)
             return dict(zip(self.output_names, binding.get_outputs(), strict=True))
 
-    def run_captured(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run_captured(self, feeds: dict[str, np.ndarray], fetch: Sequence[str] | None = None) -> list[np.ndarray]:
         """Run feeds padded to a `capture_shape` bucket as that bucket's CUDA graph (a replay is too short to need
-        stopping); the plain run where the session does not capture, or the bucket did not fit the arena."""
+        stopping); the plain run where the session does not capture, or the bucket did not fit the arena. `fetch`
+        as `run` takes it."""
         if self.captured is None or self.captured.refused(feeds) or not self.captured.replays(feeds):
-            return self.run(feeds)
+            return self.run(feeds, fetch=fetch)
         self.runs += 1
         with memory_errors():
-            return self.captured.run(feeds)
+            return self.captured.run(feeds, None if fetch is None else [self.output_names.index(n) for n in fetch])

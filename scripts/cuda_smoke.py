@@ -1,7 +1,8 @@
 """An artifact's answers on CUDA against the CPU's, and the server's scheduling paths on CUDA: the seeds' mix (text,
 JSON, 40-option, image, video and one-question requests; d1: no video) answered by `decide` on CUDA (the artifact's
 CUDA form) and on the CPU (portable), then submitted together to a scheduler on CUDA as `serve` runs it there
-(media lane on, calls shared across requests) against each answered alone on CUDA. The tests run these paths on
+(media lane on, calls shared across requests; its engine thread replays CUDA graphs where the form allows) against
+each answered alone on CUDA (uncaptured). The tests run these paths on
 the CPU only; this is their check on a GPU (IO binding, device-resident state, the media lane's second thread).
 
     python scripts/cuda_smoke.py ARTIFACT [--requests 12] [--device cuda]
@@ -56,6 +57,7 @@ def main() -> None:
     print(f"{len(prepared)} requests submitted together: max |dp| shared vs alone "
           f"{max(max_diff(a, s) for a, s in zip(alone, shared, strict=True)):.2e}")
     print("batch rows", gpu.batch_sizing().describe())
+    print("cuda graphs after the scheduler's engine thread warmed up:", gpu.cuda_graphs)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import numpy as np
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
 from systemone.runtime.cuda_graphs import GRAPH_ID, CaptureBuckets, CapturedRuns, uncaptured
+from systemone.runtime.d1.state import LABEL_SLOTS, D1TextRunner, StateLayout
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from systemone.runtime.session import GraphSession
 
@@ -44,10 +45,12 @@ class RecordingSession(GraphSession):
         assert self.captured is None and self.describe_capture() == "off"  # the CPU provider captures nothing
         self.buckets = buckets
         self.captured_shapes: list[tuple[int, ...]] = []
+        self.label_slots: list[tuple[int, ...] | None] = []
 
-    def run_captured(self, feeds):
+    def run_captured(self, feeds, fetch=None):
         self.captured_shapes.append(feeds["input_ids"].shape)
-        return super().run_captured(feeds)
+        self.label_slots.append(feeds["label_ids"].shape if "label_ids" in feeds else None)
+        return super().run_captured(feeds, fetch)
 
 
 def test_rows_padded_to_a_bucket_get_the_logits_they_get_alone(d3_artifact):
@@ -67,6 +70,29 @@ def test_rows_padded_to_a_bucket_get_the_logits_they_get_alone(d3_artifact):
     long_row = TextRow(rng.integers(0, 5000, 80).tolist())
     assert np.abs(padded.run_batch([long_row]) - plain.run_batch([long_row])).max() == 0
     assert padded_session.captured_shapes == [(4, 64)]
+
+
+def test_d1_prompts_padded_to_a_bucket_read_what_they_read_alone(d1_artifact):
+    """d1's whole prompts from an empty state (one-question requests' rows) pad to a bucket as d3's do, and their
+    labels to LABEL_SLOTS: each row's label log-probabilities and greedy token are the ones it gets alone. A call
+    with more labels than the slots, or past the buckets, is the plain one."""
+    layout = StateLayout.from_manifest(Artifact.load(d1_artifact).manifest.model)
+    plain = D1TextRunner(GraphSession(d1_artifact / "text.onnx", "cpu"), layout, BatchBudget())
+    session = RecordingSession(d1_artifact / "text.onnx", CaptureBuckets(batches=(4,), lengths=(64,)))
+    padded = D1TextRunner(session, layout, BatchBudget())
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 5000, n).tolist() for n in (5, 17, 40)]
+    labels = [5, 17, 300]
+    logprobs, argmax = padded.read_prompts(prompts, labels)
+    assert session.captured_shapes == [(4, 64)] and session.label_slots == [(LABEL_SLOTS,)]
+    assert logprobs.shape == (3, 3) and argmax.shape == (3,)
+    for prompt, got, top in zip(prompts, logprobs, argmax, strict=True):
+        want, want_top = plain.read_prompts([prompt], labels)
+        assert np.abs(got - want[0]).max() <= 1e-5 and top == want_top[0]
+    many = list(range(LABEL_SLOTS + 1))
+    assert np.array_equal(padded.read_prompts(prompts[:1], many)[0], plain.read_prompts(prompts[:1], many)[0])
+    assert np.array_equal(padded.read_prompts([[7] * 80], labels)[0], plain.read_prompts([[7] * 80], labels)[0])
+    assert session.captured_shapes == [(4, 64)]
 
 
 def test_a_capturing_session_runs_the_rest_uncaptured():

@@ -21,6 +21,7 @@ from ...models.questions import QUESTION_TYPES, Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
 from ..batch import BatchBudget, CallCost, TextRow
+from ..cuda_graphs import CaptureBuckets
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
@@ -68,8 +69,9 @@ class D1Engine(Engine):
         self.tokenizer = artifact.tokenizer
         # The graph reads a prefix chunk by chunk and its KV cache grows linearly: the context is the model's.
         self.max_model_len = options.max_model_len or artifact.max_model_len
+        # Whole prompts from an empty state (one-question requests' rows) replay CUDA graphs where the form allows.
         self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
-                                    options.gpu_memory)
+                                    options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
         layout = StateLayout.from_manifest(fields)
         self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads)
         self.runner = D1TextRunner(self.session, layout, self.budget)
@@ -83,6 +85,9 @@ class D1Engine(Engine):
         self.tail = self._generation_tail()
         self._cached_label_ids = lru_cache(maxsize=LABEL_CACHE)(lambda text: tuple(self.tokenizer.encode(text)))
         self.unsupported = self._generic_labels_problem()
+
+    def warm_up(self) -> None:
+        self.runner.capture()
 
     # -- startup checks (spec 3.5) ---------------------------------------------------------------------------
     def _generation_tail(self) -> list[int]:

@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from ...models.errors import DeviceMemoryExhausted
 from ..batch import BatchBudget, CallCost, MediaRows, pad_right
+from ..cuda_graphs import RUNS_TO_CAPTURE
 from ..session import GraphSession
 
 
@@ -55,6 +57,9 @@ class Snapshot:
 
 
 READS = ("label_logprobs", "argmax")  # the text graph's outputs a read fetches; its new state is the rest
+# Label ids a captured call reads (its label input has one shape in every bucket): a call's labels are padded to
+# this many; a call of more (many long option lists together) runs uncaptured.
+LABEL_SLOTS = 128
 # Before start-up measures a call (or where nothing does: export's gates, `ask`): a call's fixed part worth 32
 # padded tokens, so a 26-option choice's suffix and a yes/no's go in separate calls, as on a CPU.
 UNMEASURED_COST = CallCost(fixed_s=32e-6, token_s=1e-6)
@@ -164,8 +169,41 @@ class D1TextRunner:
     def read_prompts(self, prompts: Sequence[Sequence[int]], label_ids: Sequence[int],
                      run_options=None) -> tuple[np.ndarray, np.ndarray]:
         """Whole prompts (of different requests) read in one call from an empty state; the caller keeps the call
-        within the budget."""
-        return self._run_rows(self.empty(), prompts, np.asarray(label_ids, dtype=np.int64), None, run_options)
+        within the budget. A call that fits a captured bucket, with at most LABEL_SLOTS labels, is padded to it and
+        replays its CUDA graph: filler rows of one token, every row padded to the bucket's length, the labels
+        padded with repeats of the first (exact: each row is read at its own last token, and its pads come after
+        it)."""
+        labels = np.asarray(label_ids, dtype=np.int64)
+        bucket = (self.session.capture_shape(len(prompts), max(len(p) for p in prompts))
+                  if 0 < len(labels) <= LABEL_SLOTS else None)
+        if bucket is None:
+            return self._run_rows(self.empty(), prompts, labels, None, run_options)
+        batch, width = bucket
+        rows = [*prompts, *[[0]] * (batch - len(prompts))]
+        ids, _ = pad_right(rows, width=width)
+        last = np.array([len(r) - 1 for r in rows], np.int64)
+        slots = np.concatenate([labels, np.full(LABEL_SLOTS - len(labels), labels[0], np.int64)])
+        logprobs, argmax = self.session.run_captured(self.feeds(ids, last, slots, self.empty(), None), fetch=READS)
+        return logprobs[:len(prompts), :len(labels)], argmax[:len(prompts)]
+
+    def capture(self) -> None:
+        """Every bucket's CUDA graph for whole prompts from an empty state, captured now, in this thread, which
+        alone replays them (runtime/cuda_graphs.py); where a capture fails the session runs uncaptured and says
+        why; a bucket the arena (--gpu-memory) cannot hold is left uncaptured. Prefixes and their suffix reads
+        (a past of any length) run uncaptured."""
+        captured = self.session.captured
+        if captured is None:
+            return
+        with captured.capturing_here():
+            for batch, width in self.session.buckets.shapes():
+                try:
+                    for _ in range(RUNS_TO_CAPTURE):
+                        self.read_prompts([[0] * width] * batch, [0])
+                except DeviceMemoryExhausted:
+                    continue
+                except Exception as exc:  # onnxruntime's error, e.g. a kernel that cannot run inside a capture
+                    self.session.stop_capturing(f"capturing failed: {str(exc).splitlines()[0][:300]}")
+                    return
 
     def whole_logprobs(self, prompts: Sequence[Sequence[int]], label_ids: Sequence[int],
                        media: MediaRows | None = None, run_options=None) -> tuple[np.ndarray, np.ndarray]:
