@@ -59,8 +59,15 @@ class CaptureBuckets:
 
 
 def uncaptured(run_options: ort.RunOptions | None) -> ort.RunOptions:
-    """`run_options` (or new ones) for a run of a capturing session that must not capture or replay."""
+    """`run_options` (or new ones) for a run of a capturing session that must not capture or replay. Options
+    already marked are left as they are (a request's options serve all its calls: onnxruntime warns each time an
+    entry is set again)."""
     run_options = run_options or ort.RunOptions()
+    try:
+        if run_options.get_run_config_entry(GRAPH_ID) == UNCAPTURED:
+            return run_options
+    except RuntimeError:  # no graph id set yet
+        pass
     run_options.add_run_config_entry(GRAPH_ID, UNCAPTURED)
     return run_options
 

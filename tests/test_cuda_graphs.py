@@ -97,7 +97,9 @@ def test_d1_prompts_padded_to_a_bucket_read_what_they_read_alone(d1_artifact):
 
 def test_a_capturing_session_runs_the_rest_uncaptured():
     """A run outside the buckets sets onnxruntime's graph id -1: neither captured nor replaying bucket 0."""
-    assert uncaptured(None).get_run_config_entry(GRAPH_ID) == "-1"
+    options = uncaptured(None)
+    assert options.get_run_config_entry(GRAPH_ID) == "-1"
+    assert uncaptured(options) is options and options.get_run_config_entry(GRAPH_ID) == "-1"
 
 
 def test_the_service_says_what_it_captured(d3_service):

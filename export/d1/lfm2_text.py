@@ -125,7 +125,10 @@ class D1TextGraph(nn.Module):
         first_key = next(s for s, b in zip(self._split(states), self.blocks) if isinstance(b, Lfm2AttentionBlock))[0]
         past_len = first_key.shape[2]
         steps = torch.arange(length, device=input_ids.device)
-        freqs = (steps + past_len).float()[:, None] * self.inv_freq[None, :]
+        # Positions from a range that starts at the past's length: a shape on the host, read by Range as such. Added
+        # to the steps instead, it was copied to the device each call, which keeps onnxruntime from capturing.
+        positions = torch.arange(past_len, past_len + length, device=input_ids.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos(), emb.sin()
         causal = torch.where(steps[None, :] <= steps[:, None], 0.0, torch.finfo(torch.float32).min)
