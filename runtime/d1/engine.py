@@ -197,9 +197,13 @@ class D1Engine(Engine):
         if prepared.media is not None:
             embeds = encoded if encoded is not None else self.encode_media(prepared, run_options)
             media = media_rows(ids[0], self.image_token_id, embeds)
-        if reuse_prefix:
-            # One question without images has nothing to share: its whole prompt is one call, not a prefill and a
-            # one-token read (two launch-bound calls on a GPU). Images stay in the prefix, where their rows go.
+        if reuse_prefix and len(ids) == 1 and media is None and self.budget.fits(1, len(ids[0])):
+            # One question without images has nothing to share: its whole prompt is one call from an empty state,
+            # as its row in a shared call would be (a captured bucket's replay where it fits one), not a prefill
+            # and a one-token read (two launch-bound calls on a GPU).
+            logprobs, argmax = self.runner.read_prompts(ids, label_ids, run_options)
+        elif reuse_prefix:
+            # Images stay in the prefix, where their rows go; a prompt too long for one call is prefilled first.
             split = shared_prefix(ids) if len(ids) > 1 or media is not None else 0
             if media is not None and len(media.positions) and media.positions[-1] >= split:
                 raise RuntimeError("image rows past the shared prefix")
