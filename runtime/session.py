@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..models.errors import DeviceMemoryExhausted
-from .cuda_graphs import CaptureBuckets, CapturedRuns, uncaptured
+from .cuda_graphs import RUNS_TO_CAPTURE, CaptureBuckets, CapturedRuns, uncaptured
 from .devices import CPU, DEVICES, ProviderUnavailable, device_of, pick_providers
 
 __all__ = ["DEVICES", "GraphSession", "ProviderUnavailable", "resolve_device", "resolve_providers"]
@@ -122,6 +122,24 @@ class GraphSession:
         return ort.InferenceSession(
             str(path), sess_options=options,
             providers=[(name, provider_options(name, gpu_memory, capture)) for name in providers])
+
+    def capture_buckets(self, run: Callable[[int, int], object]) -> None:
+        """Every bucket's CUDA graph captured now, in this thread, which alone replays them (runtime/cuda_graphs.py:
+        call it on the thread that will run the graph, before any other thread runs one): `run(batch, length)`
+        makes one run at that shape, RUNS_TO_CAPTURE times a bucket. Where a capture fails the session runs
+        uncaptured and says why; a bucket the arena (--gpu-memory) cannot hold is left uncaptured."""
+        if self.captured is None:
+            return
+        with self.captured.capturing_here():
+            for batch, length in self.buckets.shapes():
+                try:
+                    for _ in range(RUNS_TO_CAPTURE):
+                        run(batch, length)
+                except DeviceMemoryExhausted:
+                    continue
+                except Exception as exc:  # onnxruntime's error, e.g. a kernel that cannot run inside a capture
+                    self.stop_capturing(f"capturing failed: {str(exc).splitlines()[0][:300]}")
+                    return
 
     def stop_capturing(self, reason: str) -> None:
         """Run everything uncaptured from now on (a capture that failed at start-up says why)."""

@@ -16,9 +16,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from ...models.errors import DeviceMemoryExhausted
 from ..batch import BatchBudget, CallCost, MediaRows, pad_right
-from ..cuda_graphs import RUNS_TO_CAPTURE
 from ..session import GraphSession
 
 
@@ -131,13 +129,19 @@ class D1TextRunner:
                   media: MediaRows | None, run_options) -> tuple[np.ndarray, np.ndarray]:
         """One graph call: `rows` right-padded on `base`, media rows at the same positions in every row; the
         label log-probabilities and greedy token at each row's last token."""
-        ids, _ = pad_right(rows)
+        # Only the reads come back: the state these rows add is never used.
+        logprobs, argmax = self.session.run(self._row_feeds(base, rows, labels, media), run_options, fetch=READS)
+        return logprobs, argmax
+
+    def _row_feeds(self, base: Snapshot, rows: Sequence[Sequence[int]], labels: np.ndarray,
+                   media: MediaRows | None = None, width: int | None = None) -> dict[str, Any]:
+        """The feeds of one call: `rows` right-padded (to `width` where given) on `base`, each read at its last
+        token, media rows at the same positions in every row."""
+        ids, _ = pad_right(rows, width=width)
         if media is not None:
             media = media.in_every_row(*ids.shape)
         last = np.array([len(r) - 1 for r in rows], np.int64)
-        # Only the reads come back: the state these rows add is never used.
-        logprobs, argmax = self.session.run(self.feeds(ids, last, labels, base, media), run_options, fetch=READS)
-        return logprobs, argmax
+        return self.feeds(ids, last, labels, base, media)
 
     def suffix_logprobs(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
                         run_options=None) -> tuple[np.ndarray, np.ndarray]:
@@ -180,30 +184,15 @@ class D1TextRunner:
             return self._run_rows(self.empty(), prompts, labels, None, run_options)
         batch, width = bucket
         rows = [*prompts, *[[0]] * (batch - len(prompts))]
-        ids, _ = pad_right(rows, width=width)
-        last = np.array([len(r) - 1 for r in rows], np.int64)
         slots = np.concatenate([labels, np.full(LABEL_SLOTS - len(labels), labels[0], np.int64)])
-        logprobs, argmax = self.session.run_captured(self.feeds(ids, last, slots, self.empty(), None), fetch=READS)
+        logprobs, argmax = self.session.run_captured(self._row_feeds(self.empty(), rows, slots, width=width),
+                                                     fetch=READS)
         return logprobs[:len(prompts), :len(labels)], argmax[:len(prompts)]
 
     def capture(self) -> None:
-        """Every bucket's CUDA graph for whole prompts from an empty state, captured now, in this thread, which
-        alone replays them (runtime/cuda_graphs.py); where a capture fails the session runs uncaptured and says
-        why; a bucket the arena (--gpu-memory) cannot hold is left uncaptured. Prefixes and their suffix reads
-        (a past of any length) run uncaptured."""
-        captured = self.session.captured
-        if captured is None:
-            return
-        with captured.capturing_here():
-            for batch, width in self.session.buckets.shapes():
-                try:
-                    for _ in range(RUNS_TO_CAPTURE):
-                        self.read_prompts([[0] * width] * batch, [0])
-                except DeviceMemoryExhausted:
-                    continue
-                except Exception as exc:  # onnxruntime's error, e.g. a kernel that cannot run inside a capture
-                    self.session.stop_capturing(f"capturing failed: {str(exc).splitlines()[0][:300]}")
-                    return
+        """Every bucket's CUDA graph for whole prompts from an empty state, captured now on this thread
+        (`GraphSession.capture_buckets`). Prefixes and their suffix reads (a past of any length) run uncaptured."""
+        self.session.capture_buckets(lambda batch, width: self.read_prompts([[0] * width] * batch, [0]))
 
     def whole_logprobs(self, prompts: Sequence[Sequence[int]], label_ids: Sequence[int],
                        media: MediaRows | None = None, run_options=None) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,6 @@ import numpy as np
 
 from ...models.errors import DeviceMemoryExhausted
 from ..batch import BatchBudget, CallCost, MediaRows, TextRow, pad_right, run_in_halves
-from ..cuda_graphs import RUNS_TO_CAPTURE
 from ..session import GraphSession
 
 
@@ -61,23 +60,8 @@ class CodeLogitsRunner:
         return logits[:len(rows)]
 
     def capture(self) -> None:
-        """Every bucket's CUDA graph, captured now, in this thread, which alone replays them (runtime/cuda_graphs.py:
-        call it on the thread that will run the graph, before any other thread runs one); where a capture fails,
-        the session runs uncaptured and says why; a bucket the arena (--gpu-memory) cannot hold is left
-        uncaptured."""
-        captured = self.session.captured
-        if captured is None:
-            return
-        with captured.capturing_here():
-            for batch, width in self.session.buckets.shapes():
-                try:
-                    for _ in range(RUNS_TO_CAPTURE):
-                        self.run_batch([TextRow([0] * width)] * batch)
-                except DeviceMemoryExhausted:
-                    continue
-                except Exception as exc:  # onnxruntime's error, e.g. a kernel that cannot run inside a capture
-                    self.session.stop_capturing(f"capturing failed: {str(exc).splitlines()[0][:300]}")
-                    return
+        """Every bucket's CUDA graph, captured now on this thread (`GraphSession.capture_buckets`)."""
+        self.session.capture_buckets(lambda batch, width: self.run_batch([TextRow([0] * width)] * batch))
 
     def run(self, prompts: Sequence[Sequence[int]], run_options=None, positions: Sequence[np.ndarray] | None = None,
             media: MediaRows | None = None) -> np.ndarray:
