@@ -72,20 +72,66 @@ def uncaptured(run_options: ort.RunOptions | None) -> ort.RunOptions:
     return run_options
 
 
-class _Binding:
-    """One captured shape: device buffers for its inputs and outputs, bound once, and its graph id."""
+_ITEM_BYTES = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(bfloat16)": 2, "tensor(int64)": 8, "tensor(int32)": 4,
+               "tensor(bool)": 1, "tensor(double)": 8}
 
-    def __init__(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], graph_id: int):
-        # The outputs' shapes come from one uncaptured run at these shapes.
-        outputs = session.run(None, feeds, uncaptured(None))
-        self.inputs = {name: ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0) for name, value in feeds.items()}
-        self.outputs = [ort.OrtValue.ortvalue_from_shape_and_type(list(out.shape), out.dtype, "cuda", 0)
-                        for out in outputs]
+
+def _nbytes(value: ort.OrtValue) -> int:
+    return int(np.prod(value.shape())) * _ITEM_BYTES[value.data_type()]
+
+
+class _Scratch:
+    """Device memory for the outputs no caller reads (the state d1's rows add from an empty state): one buffer per
+    output, shared by every bucket. Replays run one at a time, so one bucket's unread state may overwrite another's.
+    A buffer too small for a new bucket is replaced by a larger one; the buckets captured on the old one keep it (a
+    CUDA graph holds its buffers' addresses), so `capture_buckets` captures the largest buckets first."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.buffers: dict[str, ort.OrtValue] = {}
+
+    def buffer(self, name: str, nbytes: int) -> ort.OrtValue:
+        held = self.buffers.get(name)
+        if held is None or held.shape()[0] < nbytes:
+            held = ort.OrtValue.ortvalue_from_shape_and_type([max(nbytes, 1)], np.uint8, self.device, 0)
+            self.buffers[name] = held
+        return held
+
+
+class _Binding:
+    """One captured shape: device buffers for its inputs and outputs, bound once, and its graph id. Outputs at
+    `read` get buffers of their own; the others go into `scratch` (all outputs are read where `read` is None)."""
+
+    def __init__(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], graph_id: int,
+                 read: Sequence[int] | None, scratch: _Scratch):
+        device = scratch.device
+        # The outputs' shapes come from one uncaptured run at these shapes, its outputs left on the device (d1's
+        # state at a large bucket is about 100 MB that a copy to the host would add to start-up).
+        probe = session.io_binding()
+        for name, value in feeds.items():
+            probe.bind_cpu_input(name, value)
+        for meta in session.get_outputs():
+            probe.bind_output(meta.name, device, 0)
+        session.run_with_iobinding(probe, uncaptured(None))
+        outputs = probe.get_outputs()
+        self.count = len(outputs)
+        self.read = set(range(self.count) if read is None else read)
+        self.inputs = {name: ort.OrtValue.ortvalue_from_numpy(value, device, 0) for name, value in feeds.items()}
         self.binding = session.io_binding()
         for name, value in self.inputs.items():
             self.binding.bind_ortvalue_input(name, value)
-        for meta, value in zip(session.get_outputs(), self.outputs, strict=True):
-            self.binding.bind_ortvalue_output(meta.name, value)
+        self.outputs: dict[int, ort.OrtValue] = {}
+        # The device memory this shape holds on its own (its scratch is shared).
+        self.nbytes = sum(v.nbytes for v in feeds.values()) + sum(_nbytes(outputs[i]) for i in self.read)
+        self.held: list[ort.OrtValue] = []  # the scratch buffers this shape's graph writes to, alive while it is
+        for i, (meta, out) in enumerate(zip(session.get_outputs(), outputs, strict=True)):
+            if i in self.read:
+                self.outputs[i] = ort.OrtValue.ortvalue_from_shape_and_type(out.shape(), out.element_type(), device, 0)
+                self.binding.bind_ortvalue_output(meta.name, self.outputs[i])
+            else:
+                self.held.append(scratch.buffer(meta.name, _nbytes(out)))
+                self.binding.bind_output(meta.name, device, 0, out.element_type(), out.shape(),
+                                         self.held[-1].data_ptr())
         self.run_options = ort.RunOptions()
         self.run_options.add_run_config_entry(GRAPH_ID, str(graph_id))
 
@@ -100,9 +146,10 @@ class CapturedRuns:
     the outputs copied back. One run at a time: the buffers are shared. Only the thread that captured replays, and
     only the shapes it captured; a capture happens only inside `capturing_here`."""
 
-    def __init__(self, session: ort.InferenceSession):
+    def __init__(self, session: ort.InferenceSession, device: str = "cuda"):
         self.session = session
         self.bindings: dict[tuple, _Binding] = {}
+        self.scratch = _Scratch(device)  # the CPU only in tests: onnxruntime captures on CUDA alone
         self.too_large: set[tuple] = set()  # shapes whose plain run did not fit the arena: never captured
         self.lock = threading.Lock()
         self.thread: int | None = None  # the thread whose context holds the captured graphs
@@ -132,9 +179,14 @@ class CapturedRuns:
     def refused(self, feeds: dict[str, np.ndarray]) -> bool:
         return self._key(feeds) in self.too_large
 
+    def nbytes(self) -> int:
+        """The device memory the captured shapes' buffers hold, their shared scratch included."""
+        held = {id(buffer): buffer for binding in self.bindings.values() for buffer in binding.held}
+        return sum(b.nbytes for b in self.bindings.values()) + sum(b.shape()[0] for b in held.values())
+
     def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[int] | None = None) -> list[np.ndarray]:
-        """The replay's outputs copied back: all of them, or those at `outputs` (d1's reads, not the state its rows
-        add, which stays in the shape's buffers)."""
+        """The replay's outputs copied back: all of them, or those at `outputs` (d1's reads; the state its rows add
+        goes to the shared scratch). A shape's first run fixes which outputs it can give back."""
         key = self._key(feeds)
         with self.lock:
             binding = self.bindings.get(key)
@@ -143,7 +195,7 @@ class CapturedRuns:
                 # binding's plain run comes before any capture: a shape too large for the arena fails there, and
                 # is not captured (a capture cut short would leave the stream capturing).
                 try:
-                    binding = _Binding(self.session, feeds, len(self.bindings) + 1)
+                    binding = _Binding(self.session, feeds, len(self.bindings) + 1, outputs, self.scratch)
                 except Exception:
                     self.too_large.add(key)
                     raise
@@ -152,5 +204,7 @@ class CapturedRuns:
                 for name, value in binding.inputs.items():
                     value.update_inplace(np.ascontiguousarray(feeds[name]))
             self.session.run_with_iobinding(binding.binding, binding.run_options)
-            wanted = range(len(binding.outputs)) if outputs is None else outputs
+            wanted = range(binding.count) if outputs is None else outputs
+            if not binding.read.issuperset(wanted):
+                raise RuntimeError(f"outputs {sorted(set(wanted) - binding.read)} of this captured shape go to scratch")
             return [binding.outputs[i].numpy() for i in wanted]

@@ -131,7 +131,8 @@ class GraphSession:
         if self.captured is None:
             return
         with self.captured.capturing_here():
-            for batch, length in self.buckets.shapes():
+            # The largest first: the scratch for unread outputs is allocated once, at its largest (cuda_graphs.py).
+            for batch, length in sorted(self.buckets.shapes(), key=lambda s: (s[0] * s[1], s[0]), reverse=True):
                 try:
                     for _ in range(RUNS_TO_CAPTURE):
                         run(batch, length)
@@ -150,7 +151,8 @@ class GraphSession:
             buckets = self.buckets
             left = (f"; {len(self.captured.too_large)} left uncaptured, too large for --gpu-memory"
                     if self.captured.too_large else "")
-            done = (f"{len(self.captured.bindings)} (batch, length) buckets captured" if self.captured.thread
+            done = (f"{len(self.captured.bindings)} (batch, length) buckets captured, their buffers "
+                    f"{self.captured.nbytes() / 2**20:.0f} MiB" if self.captured.thread
                     else f"{len(buckets.shapes())} (batch, length) buckets to capture at warm-up")
             return (f"on: {done}, up to batch {max(buckets.batches)} and {max(buckets.lengths)} tokens "
                     f"({buckets.max_tokens} in all){left}")

@@ -8,11 +8,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
 from systemone.runtime.cuda_graphs import GRAPH_ID, CaptureBuckets, CapturedRuns, uncaptured
-from systemone.runtime.d1.state import LABEL_SLOTS, D1TextRunner, StateLayout
+from systemone.runtime.d1.state import LABEL_SLOTS, READS, D1TextRunner, StateLayout
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from systemone.runtime.session import GraphSession
 
@@ -93,6 +94,45 @@ def test_d1_prompts_padded_to_a_bucket_read_what_they_read_alone(d1_artifact):
     assert np.array_equal(padded.read_prompts(prompts[:1], many)[0], plain.read_prompts(prompts[:1], many)[0])
     assert np.array_equal(padded.read_prompts([[7] * 80], labels)[0], plain.read_prompts([[7] * 80], labels)[0])
     assert session.captured_shapes == [(4, 64)]
+
+
+def test_the_state_no_one_reads_goes_to_one_scratch_buffer_shared_by_every_shape(d1_artifact):
+    """A captured d1 shape gives back only the reads; the state its rows add goes to one buffer per output, shared by
+    every shape, so the shapes hold their reads and inputs only (at d1-3B's size their state was 2.3 GB). The
+    largest shape captured first makes the buffer once; a larger shape later makes a new one, and the shapes bound
+    to the old keep it. The bindings are onnxruntime's IO binding, here on the CPU's memory (CUDA's on a GPU)."""
+    layout = StateLayout.from_manifest(Artifact.load(d1_artifact).manifest.model)
+    session = GraphSession(d1_artifact / "text.onnx", "cpu")
+    runner = D1TextRunner(session, layout, BatchBudget())
+    runs = CapturedRuns(session.session, device="cpu")
+    reads = [session.output_names.index(name) for name in READS]
+    rng = np.random.default_rng(0)
+    labels = np.array([5, 17, 300], np.int64)
+
+    def feeds(batch: int, width: int) -> dict:
+        rows = [rng.integers(0, 5000, rng.integers(1, width + 1)).tolist() for _ in range(batch)]
+        return runner._row_feeds(runner.empty(), rows, labels, width=width)
+
+    def check(shape_feeds: dict) -> None:
+        got = runs.run(shape_feeds, reads)
+        want = session.run(shape_feeds, fetch=READS)
+        assert all(np.abs(g - w).max() <= 1e-6 for g, w in zip(got, want, strict=True))
+
+    large, small = feeds(4, 64), feeds(2, 32)
+    check(large)
+    check(small)
+    state = len(session.output_names) - len(READS)
+    assert len(runs.scratch.buffers) == state
+    first, second = runs.bindings.values()
+    assert [id(b) for b in first.held] == [id(b) for b in second.held]  # one buffer per output, shared
+    assert runs.nbytes() == first.nbytes + second.nbytes + sum(b.shape()[0] for b in first.held)
+    with pytest.raises(RuntimeError, match="scratch"):
+        runs.run(small, None)  # a shape bound for its reads cannot give back its state
+    larger = feeds(8, 64)
+    check(larger)
+    assert all(id(new) != id(old) for new, old in zip(runs.bindings[runs._key(larger)].held, first.held))
+    check(small)  # still on the buffer it was bound to
+    check(large)
 
 
 def test_a_capturing_session_runs_the_rest_uncaptured():
