@@ -185,11 +185,11 @@ def resize_bicubic(image: np.ndarray, height: int, width: int, rows: range | Non
     return _resize(image, height, width, BICUBIC, rows)
 
 
-def resize_bilinear(image: np.ndarray, height: int, width: int) -> np.ndarray:
+def resize_bilinear(image: np.ndarray, height: int, width: int, rows: range | None = None) -> np.ndarray:
     """Antialiased bilinear resize of an [H, W, C] uint8 image (triangle filter, support 1 widened by the scale
     when shrinking), horizontal pass first: torchvision's `resize(..., BILINEAR, antialias=True)` on uint8 CPU
-    tensors (spec 3.8 step 3)."""
-    return _resize(image, height, width, BILINEAR)
+    tensors (spec 3.8 step 3); only output `rows` (whole blocks of 32) where given."""
+    return _resize(image, height, width, BILINEAR, rows)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

@@ -4,8 +4,8 @@ A video's pixel work (each sampled frame resized, normalized and written into th
 many calls a frame, and every thread needs the GIL between them: on the H200's 16-core host, threads stopped at 5
 to 7 videos a second with 2.7 cores busy, where 16 processes did 42 to 48 (scripts/results/
 gpu_media_scaling_h200.txt). So a job's inputs and its output go through shared memory (runtime/shared_arrays.py)
-and its parts (a video's frame pairs) run in the processes. With no processes, or when shared memory is full or a
-process died, the parts run in this process's threads, with the same results.
+and its parts (a video's frame pairs, a d1 image's rows of tiles) run in the processes. With no processes, or when
+shared memory is full or a process died, the parts run in this process's threads, with the same results.
 
 An image (a job of one input) that finds no other job running runs in threads here: with no other work the GIL
 does not hold threads back, and the shared memory's page faults cost more than the work (on the H200 host the seeds'

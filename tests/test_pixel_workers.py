@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from systemone.models.errors import TimedOut
+from systemone.runtime.d1.image_processor import Lfm2ImageConfig, lfm2_image
 from systemone.runtime.deadline import Deadline
 from systemone.runtime.image_transform import qwen_image
 from systemone.runtime.pixel_workers import PixelWorkers
@@ -64,6 +65,22 @@ def test_processes_threads_and_inline_give_the_same_image_rows(one_process):
     assert inline[1] == threads[1] == processes[1]
     assert np.array_equal(inline[0], threads[0]) and np.array_equal(inline[0], processes[0])
     assert one_process.fallbacks == 0 and one_process.in_processes == 1
+
+
+@pytest.mark.parametrize("size", [(960, 1280), (300, 500)])  # a row of tiles a part and the thumbnail; one crop
+def test_d1_crops_are_the_same_in_processes_threads_and_inline(one_process, size):
+    """d1's processor (LFM2-VL) in the pixel workers: the same crops, grids and patches wherever it ran."""
+    image = np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8)
+    config = Lfm2ImageConfig()
+    ways = [lfm2_image(image, config), lfm2_image(image, config, PixelWorkers(0)),
+            lfm2_image(image, config, one_process)]
+    inline = ways[0]
+    assert len(inline.crops) == (7 if size == (960, 1280) else 1)
+    for other in ways[1:]:
+        assert (other.rows, other.cols, other.image_tokens) == (inline.rows, inline.cols, inline.image_tokens)
+        assert [c.grid for c in other.crops] == [c.grid for c in inline.crops]
+        assert all(np.array_equal(a.patches, b.patches) for a, b in zip(inline.crops, other.crops, strict=True))
+    assert one_process.in_processes == 1 and one_process.fallbacks == 0
 
 
 def test_an_image_alone_runs_here_and_one_among_others_in_the_processes(tmp_path):

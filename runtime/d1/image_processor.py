@@ -10,12 +10,16 @@ flattened (row, col, channel). The crops are not padded: the runtime runs each c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import numpy as np
 from PIL import Image
 
+from ..deadline import Deadline
 from ..image_transform import fit_area, normalize, resize_bilinear
+from ..pixel_workers import PixelWorkers, fill_here
 
 MAX_PIXELS = 1024 * 1024  # vLLM's d1 cap on the pixels of one image (spec 3.8 step 2)
 PIL_BILINEAR = 2  # PILImageResampling.BILINEAR, the only resample the torchvision port implements
@@ -223,13 +227,40 @@ def grid_layout(height: int, width: int, config: Lfm2ImageConfig) -> tuple[int, 
     return best
 
 
-def _crop(resized: np.ndarray, config: Lfm2ImageConfig) -> Lfm2Crop:
-    """uint8 [H, W, 3] -> fused rescale/normalize (float32 (x - 255·mean) / (255·std)) and patches."""
+def _put_patches(out: np.ndarray, offset: int, pixels: np.ndarray, config: Lfm2ImageConfig) -> int:
+    """uint8 [H, W, 3] -> fused rescale/normalize (float32 (x - 255·mean) / (255·std)), cut into patches written to
+    `out` from row `offset` on; the row after them."""
     patch = config.encoder_patch_size
-    gh, gw = resized.shape[0] // patch, resized.shape[1] // patch
-    pixels = normalize(resized, config.image_mean, config.image_std)
-    patches = pixels.reshape(gh, patch, gw, patch, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, patch * patch * 3)
-    return Lfm2Crop(np.ascontiguousarray(patches), (gh, gw))
+    gh, gw = pixels.shape[0] // patch, pixels.shape[1] // patch
+    normalized = normalize(pixels, config.image_mean, config.image_std)
+    view = out[offset:offset + gh * gw].reshape(gh, gw, patch, patch, 3)
+    view[...] = normalized.reshape(gh, patch, gw, patch, 3).transpose(0, 2, 1, 3, 4)
+    return offset + gh * gw
+
+
+@dataclass(frozen=True)
+class _Band:
+    """A part of an image's patches (a `Fill` part, runtime/pixel_workers.py): output rows [top, bottom) of the
+    image resized to height x width, cut into `crops` crops side by side, their patches written from row `offset`."""
+
+    height: int
+    width: int
+    top: int
+    bottom: int
+    crops: int
+    offset: int
+
+
+def fill_lfm2_patches(images: Sequence[np.ndarray], out: np.ndarray, band: _Band, stopped: Callable[[], bool], *,
+                      config: Lfm2ImageConfig) -> None:
+    """One band of crops of the one image, resized (torchvision's antialiased bilinear) and written into `out`."""
+    if stopped():
+        return
+    pixels = resize_bilinear(images[0], band.height, band.width, range(band.top, band.bottom))
+    side = band.width // band.crops
+    offset = band.offset
+    for c in range(band.crops):
+        offset = _put_patches(out, offset, pixels[:, c * side:(c + 1) * side], config)
 
 
 def _tokens(height: int, width: int, config: Lfm2ImageConfig) -> int:
@@ -238,35 +269,52 @@ def _tokens(height: int, width: int, config: Lfm2ImageConfig) -> int:
     return math.ceil((height // patch) / factor) * math.ceil((width // patch) / factor)
 
 
-def lfm2_image(rgb: np.ndarray, config: Lfm2ImageConfig) -> Lfm2Image:
+def lfm2_image(rgb: np.ndarray, config: Lfm2ImageConfig, workers: PixelWorkers | None = None,
+               deadline: Deadline | None = None) -> Lfm2Image:
     """RGB uint8 [H, W, 3] (already capped, spec 3.8 step 2) -> the processor's crops (spec 3.8 step 3): a large
     image (when splitting) becomes the grid's tiles, resized from the original image, plus a thumbnail at the
-    smart size; any other image one crop at the smart size. Resizes are torchvision's antialiased bilinear."""
+    smart size; any other image one crop at the smart size. Resizes are torchvision's antialiased bilinear.
+
+    The pixel work runs in `workers` where given (in its processes when other media jobs run, as d3's images do),
+    a row of tiles or the thumbnail a part; the crops are views of one array of patches."""
     if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
         raise ValueError(f"rgb: expected uint8 [H, W, 3], got {rgb.dtype} {rgb.shape}")
     height, width = rgb.shape[:2]
     if height < 1 or width < 1:
         raise ValueError(f"rgb: empty image {height}x{width}")
     new_height, new_width = smart_size(height, width, config)
-    patches = (new_height // config.encoder_patch_size) * (new_width // config.encoder_patch_size)
+    patch = config.encoder_patch_size
+    patches = (new_height // patch) * (new_width // patch)
     if patches > config.max_num_patches:
         # A very thin image keeps its aspect at the minimum side: more patches than the processor pads a crop to,
         # which transformers' LFM2-VL cannot run either.
         raise ValueError(f"a {width}x{height} image resizes to {new_width}x{new_height}, {patches} patches, more "
                          f"than max_num_patches={config.max_num_patches}")
     thumbnail_tokens = _tokens(new_height, new_width, config)
-    if not (config.splits and _too_large(height, width, config)):
-        crop = _crop(resize_bilinear(rgb, new_height, new_width), config)
-        return Lfm2Image((crop,), 1, 1, _tokens(config.tile_size, config.tile_size, config), thumbnail_tokens)
-    cols, rows = grid_layout(height, width, config)
     tile = config.tile_size
-    whole = resize_bilinear(rgb, tile * rows, tile * cols)
-    crops = [_crop(whole[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile], config)
-             for r in range(rows) for c in range(cols)]
-    if config.use_thumbnail and rows * cols != 1:
-        crops.append(_crop(resize_bilinear(rgb, new_height, new_width), config))
+    if config.splits and _too_large(height, width, config):
+        cols, rows = grid_layout(height, width, config)
+        per_band = cols * (tile // patch) ** 2
+        bands = [_Band(tile * rows, tile * cols, r * tile, (r + 1) * tile, cols, r * per_band) for r in range(rows)]
+        thumbnail = config.use_thumbnail and rows * cols != 1
+        if thumbnail:
+            bands.append(_Band(new_height, new_width, 0, new_height, 1, rows * per_band))
+        else:
+            thumbnail_tokens = 0
+        thumbnail_grid = [(new_height // patch, new_width // patch)] if thumbnail else []
+        grids = [(tile // patch, tile // patch)] * (rows * cols) + thumbnail_grid
     else:
-        thumbnail_tokens = 0
+        rows = cols = 1
+        bands = [_Band(new_height, new_width, 0, new_height, 1, 0)]
+        grids = [(new_height // patch, new_width // patch)]
+    shape = (sum(h * w for h, w in grids), 3 * patch * patch)
+    fill = partial(fill_lfm2_patches, config=config)
+    run = workers.fill if workers is not None else fill_here
+    out = run(fill, [rgb], shape, bands, deadline or Deadline())
+    crops, offset = [], 0
+    for grid in grids:
+        crops.append(Lfm2Crop(out[offset:offset + grid[0] * grid[1]], grid))
+        offset += grid[0] * grid[1]
     return Lfm2Image(tuple(crops), rows, cols, _tokens(tile, tile, config), thumbnail_tokens)
 
 

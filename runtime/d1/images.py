@@ -54,7 +54,9 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
         rgb = decode_image(data, where, allowance=allowance)
         capped = np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)
         try:
-            return lfm2_image(capped, self.config)
+            # The resizes and patches in the pixel workers: in threads here, the GIL held them back (the H200's
+            # d1 mix at 8 clients: a photo's loading went from 0.14 s alone to 0.4-1.5 s; docs/gpu.md, eighteenth run).
+            return lfm2_image(capped, self.config, workers, deadline)
         except ValueError as exc:
             raise DecisionError(f"Failed to apply Lfm2VlProcessor on {where}: {exc}") from None
 
