@@ -108,7 +108,8 @@ class _Binding:
         # The outputs' shapes come from one uncaptured run at these shapes, its outputs left on the device (d1's
         # state at a large bucket is about 100 MB that a copy to the host would add to start-up).
         probe = session.io_binding()
-        for name, value in feeds.items():
+        held = [np.ascontiguousarray(value) for value in feeds.values()]  # alive until the run has read them
+        for name, value in zip(feeds, held, strict=True):
             probe.bind_cpu_input(name, value)
         for meta in session.get_outputs():
             probe.bind_output(meta.name, device, 0)
