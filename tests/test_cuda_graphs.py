@@ -14,7 +14,7 @@ from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
 from systemone.runtime.cuda_graphs import GRAPH_ID, CaptureBuckets, CapturedRuns, uncaptured
 from systemone.runtime.d1.state import LABEL_SLOTS, READS, D1TextRunner, StateLayout
-from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
+from systemone.runtime.d3.code_logits import CodeLogitsRunner, row_feeds, text_positions
 from systemone.runtime.session import GraphSession
 
 
@@ -133,6 +133,21 @@ def test_the_state_no_one_reads_goes_to_one_scratch_buffer_shared_by_every_shape
     assert all(id(new) != id(old) for new, old in zip(runs.bindings[runs._key(larger)].held, first.held))
     check(small)  # still on the buffer it was bound to
     check(large)
+
+
+def test_a_bound_d3_shape_gives_back_every_output_as_a_plain_run_does(d3_artifact):
+    """d3's captured shapes read all their outputs (the code logits): bound once, run twice with new feeds, each
+    run's outputs are the plain run's, and nothing goes to the scratch."""
+    hidden = int(Artifact.load(d3_artifact).manifest.model["hidden_size"])
+    session = GraphSession(d3_artifact / "text.onnx", "cpu")
+    runs = CapturedRuns(session.session, device="cpu")
+    rng = np.random.default_rng(0)
+    for lengths in ((5, 17, 40, 1), (9, 2, 33, 60)):
+        rows = [TextRow(rng.integers(0, 5000, n).tolist()) for n in lengths]
+        feeds = row_feeds(rows, hidden, 64)
+        got, want = runs.run(feeds), session.run(feeds)
+        assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert len(runs.bindings) == 1 and not runs.scratch.buffers
 
 
 def test_a_capturing_session_runs_the_rest_uncaptured():
