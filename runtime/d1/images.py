@@ -78,7 +78,12 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
             cells = len(order) // self.config.downsample_factor**2
             for start in range(0, len(members), MAX_CROPS_PER_RUN):
                 group = members[start:start + MAX_CROPS_PER_RUN]
-                patches = np.stack([images[n].crops[i].patches[order] for n, i in group])
+                # Gathered straight into one array: a gather per crop and their stack took 13.3 ms for the seeds'
+                # photo on two cores, this 2.0 ms (each crop's gather was a new multi-MB buffer to fault in).
+                first = images[group[0][0]].crops[group[0][1]].patches
+                patches = np.empty((len(group), len(order), first.shape[1]), first.dtype)
+                for k, (n, i) in enumerate(group):
+                    np.take(images[n].crops[i].patches, order, axis=0, out=patches[k])
                 (rows,) = self.session.run({"patches": patches, "positions": self.positions(*grid)}, run_options)
                 for k, member in enumerate(group):
                     out[member] = rows[k * cells:(k + 1) * cells]
