@@ -117,13 +117,14 @@ class _Binding:
         outputs = probe.get_outputs()
         self.count = len(outputs)
         self.read = set(range(self.count) if read is None else read)
-        self.inputs = {name: ort.OrtValue.ortvalue_from_numpy(value, device, 0) for name, value in feeds.items()}
+        self.inputs = {name: ort.OrtValue.ortvalue_from_numpy(value, device, 0)
+                       for name, value in zip(feeds, held, strict=True)}
         self.binding = session.io_binding()
         for name, value in self.inputs.items():
             self.binding.bind_ortvalue_input(name, value)
         self.outputs: dict[int, ort.OrtValue] = {}
         # The device memory this shape holds on its own (its scratch is shared).
-        self.nbytes = sum(v.nbytes for v in feeds.values()) + sum(_nbytes(outputs[i]) for i in self.read)
+        self.nbytes = sum(v.nbytes for v in held) + sum(_nbytes(outputs[i]) for i in self.read)
         self.held: list[ort.OrtValue] = []  # the scratch buffers this shape's graph writes to, alive while it is
         for i, (meta, out) in enumerate(zip(session.get_outputs(), outputs, strict=True)):
             if i in self.read:

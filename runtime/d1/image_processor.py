@@ -292,29 +292,27 @@ def lfm2_image(rgb: np.ndarray, config: Lfm2ImageConfig, workers: PixelWorkers |
                          f"than max_num_patches={config.max_num_patches}")
     thumbnail_tokens = _tokens(new_height, new_width, config)
     tile = config.tile_size
-    if config.splits and _too_large(height, width, config):
+    tiled = config.splits and _too_large(height, width, config)
+    if tiled:
         cols, rows = grid_layout(height, width, config)
-        per_band = cols * (tile // patch) ** 2
-        bands = [_Band(tile * rows, tile * cols, r * tile, (r + 1) * tile, cols, r * per_band) for r in range(rows)]
         thumbnail = config.use_thumbnail and rows * cols != 1
-        if thumbnail:
-            bands.append(_Band(new_height, new_width, 0, new_height, 1, rows * per_band))
-        else:
+        if not thumbnail:
             thumbnail_tokens = 0
-        thumbnail_grid = [(new_height // patch, new_width // patch)] if thumbnail else []
-        grids = [(tile // patch, tile // patch)] * (rows * cols) + thumbnail_grid
     else:
         rows = cols = 1
-        bands = [_Band(new_height, new_width, 0, new_height, 1, 0)]
-        grids = [(new_height // patch, new_width // patch)]
-    shape = (sum(h * w for h, w in grids), 3 * patch * patch)
+        thumbnail = True  # the one crop, at the smart size as a thumbnail is
+    grids = ([(tile // patch, tile // patch)] * (rows * cols) if tiled else []) + \
+        [(new_height // patch, new_width // patch)] * thumbnail
+    starts = np.cumsum([0] + [h * w for h, w in grids]).tolist()  # each crop's first row in the array of patches
+    # A row of tiles a part, cut from the whole image resized to the grid; then the thumbnail a part.
+    bands = ([_Band(tile * rows, tile * cols, r * tile, (r + 1) * tile, cols, starts[r * cols]) for r in range(rows)]
+             if tiled else [])
+    if thumbnail:
+        bands.append(_Band(new_height, new_width, 0, new_height, 1, starts[-2]))
     fill = partial(fill_lfm2_patches, config=config)
     run = workers.fill if workers is not None else fill_here
-    out = run(fill, [rgb], shape, bands, deadline or Deadline())
-    crops, offset = [], 0
-    for grid in grids:
-        crops.append(Lfm2Crop(out[offset:offset + grid[0] * grid[1]], grid))
-        offset += grid[0] * grid[1]
+    out = run(fill, [rgb], (starts[-1], 3 * patch * patch), bands, deadline or Deadline())
+    crops = [Lfm2Crop(out[start:end], grid) for grid, start, end in zip(grids, starts[:-1], starts[1:], strict=True)]
     return Lfm2Image(tuple(crops), rows, cols, _tokens(tile, tile, config), thumbnail_tokens)
 
 
