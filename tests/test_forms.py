@@ -573,6 +573,23 @@ def test_the_d1_fused_forms_text_attention_is_one_node_a_layer_reading_the_past(
     assert sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in half.graph.node) == 2 * layers - 1
 
 
+@pytest.mark.parametrize("graph", ["text.onnx", "text.cuda-fused-fp16.onnx"])
+def test_d1_text_products_read_their_rows_untransposed(d1_artifact, graph):
+    """Each LFM2 convolution layer runs channels last: no projection (a matrix product by a weight) of d1's text
+    graphs reads a transposed tensor (on the H200 the transposed view of each convolution's output sent its out
+    projection to an unaligned kernel), and in the fused form B, C and x are a product each, so no Split copies a
+    joint output."""
+    model = onnx.load(str(d1_artifact / graph), load_external_data=False)
+    weights = {t.name for t in model.graph.initializer}
+    producer = {out: node.op_type for node in model.graph.node for out in node.output}
+    projections = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and weights & set(n.input)]
+    layers = len(Artifact.load(d1_artifact).manifest.model["layer_types"])
+    assert len(projections) >= 2 * layers
+    assert not [n.name for n in projections if any(producer.get(name) == "Transpose" for name in n.input)]
+    if "fused" in graph:
+        assert not any(n.op_type == "Split" for n in model.graph.node)
+
+
 def test_a_d1_fused_form_suffix_reads_alike_alone_and_beside_longer_rows(d1_artifact):
     """On a prefilled prefix, a question's suffix read through the fused form gives the same log-probabilities
     alone and in a right-padded call beside longer suffixes (half precision: within 2e-3): its answer does not

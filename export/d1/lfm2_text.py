@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..short_conv import shifted_conv
-from ..fused_ops import skip_rms_norm
+from ..fused_ops import row_blocks, skip_rms_norm
+from ..short_conv import shifted_conv_rows
 from .fused_ops import past_attention
 
 
@@ -84,22 +84,34 @@ class Lfm2AttentionBlock(nn.Module):
 
 
 class Lfm2ConvBlock(nn.Module):
-    """LFM2's gated short convolution, continued from the previous call's window of B*x values."""
+    """LFM2's gated short convolution, continued from the previous call's window of B*x values, channels last: its
+    products read and write [B, T, hidden] as they are, where a transposed view of them had a row length of T (odd
+    for most prompts) and sent each layer's out projection to an unaligned kernel (d1-3B's prefill on the H200:
+    3.6 of 34 GPU ms, docs/gpu.md, "Seventeenth run"). The state keeps its [B, hidden, L-1] layout.
+    `fused`: B, C and x as a product each (the CUDA form), where the portable graph splits one product's output."""
 
-    def __init__(self, conv):
+    def __init__(self, conv, fused: bool = False):
         super().__init__()
         self.conv = conv
+        self.fused = fused
+        if fused:
+            if conv.in_proj.bias is not None:
+                raise ValueError("the fused LFM2 convolution block takes no in-projection bias")
+            self.in_weights = row_blocks(conv.in_proj.weight, [conv.in_proj.out_features // 3] * 3)
 
     def forward(self, x, past_conv):
-        bcx = self.conv.in_proj(x).transpose(1, 2)
-        b, c, xx = bcx.chunk(3, dim=1)
-        bx = b * xx  # [B, H, T]
-        window = torch.cat([past_conv.expand(bx.shape[0], -1, -1), bx], dim=2)
-        out = shifted_conv(window, self.conv.conv.weight[:, 0, :], bx.shape[2])
+        if self.fused:
+            b, c, xx = (F.linear(x, weight) for weight in self.in_weights)
+        else:
+            b, c, xx = self.conv.in_proj(x).chunk(3, dim=-1)
+        bx = b * xx  # [B, T, H]
+        taps = past_conv.shape[2]
+        window = torch.cat([past_conv.transpose(1, 2).expand(bx.shape[0], -1, -1), bx], dim=1)
+        out = shifted_conv_rows(window, self.conv.conv.weight[:, 0, :], bx.shape[1])
         if self.conv.conv.bias is not None:
-            out = out + self.conv.conv.bias[:, None]
-        y = self.conv.out_proj((c * out).transpose(1, 2))
-        return y, window[:, :, window.shape[2] - past_conv.shape[2]:]
+            out = out + self.conv.conv.bias
+        y = self.conv.out_proj(c * out)
+        return y, window[:, window.shape[1] - taps:].transpose(1, 2)
 
 
 class D1TextGraph(nn.Module):
@@ -115,7 +127,7 @@ class D1TextGraph(nn.Module):
         self.register_buffer("inv_freq", language_model.rotary_emb.inv_freq.detach().clone(), persistent=False)
         self.blocks = nn.ModuleList(
             Lfm2AttentionBlock(layer.self_attn, self.eps, fused) if layer.is_attention_layer
-            else Lfm2ConvBlock(layer.conv) for layer in language_model.layers)
+            else Lfm2ConvBlock(layer.conv, fused) for layer in language_model.layers)
 
     def forward(self, input_ids, media_embeds, media_index, last_index, label_ids, states):
         batch, length = input_ids.shape

@@ -25,15 +25,8 @@ from torch import nn
 
 from ..short_conv import shifted_conv
 from .delta_rule import chunk_gated_delta_rule
-from ..fused_ops import rms, skip_rms_norm
+from ..fused_ops import rms, row_blocks, skip_rms_norm
 from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention
-
-
-def _slices(weight: torch.Tensor, sizes: list[int]) -> nn.ParameterList:
-    """`weight`'s leading rows cut into blocks of `sizes`, each a weight of its own (the export writes each as one
-    initializer, where a slice of one would be a node)."""
-    return nn.ParameterList(nn.Parameter(part.detach().clone(), requires_grad=False)
-                            for part in torch.split(weight, sizes))
 
 
 def _norm_1p(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -55,8 +48,8 @@ class GatedDeltaNetLayer(nn.Module):
             sizes = [hf.key_dim, hf.key_dim, hf.value_dim]
             if hf.in_proj_qkv.bias is not None or hf.conv1d.bias is not None:
                 raise ValueError("the fused Gated DeltaNet layer takes no in-projection or convolution bias")
-            self.qkv_weights = _slices(hf.in_proj_qkv.weight, sizes)
-            self.conv_weights = _slices(hf.conv1d.weight, sizes)
+            self.qkv_weights = row_blocks(hf.in_proj_qkv.weight, sizes)
+            self.conv_weights = row_blocks(hf.conv1d.weight, sizes)
 
     def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
         hf = self.hf
@@ -114,7 +107,7 @@ class FullAttentionLayer(nn.Module):
                 raise ValueError("the fused attention layer takes no query projection bias")
             heads = hf.q_proj.weight.view(-1, 2, hf.head_dim, hf.q_proj.weight.shape[-1])  # [H, (q, gate), D, in]
             rows = heads.shape[0] * hf.head_dim
-            self.query_weight, self.gate_weight = _slices(heads.transpose(0, 1).reshape(2 * rows, -1), [rows, rows])
+            self.query_weight, self.gate_weight = row_blocks(heads.transpose(0, 1).reshape(2 * rows, -1), [rows, rows])
 
     def forward(self, hidden, cos, sin, additive_mask, lengths):
         hf = self.hf
