@@ -69,11 +69,18 @@ class Engine(ABC):
     def __init__(self, artifact: Artifact, options: EngineOptions):
         """Open the artifact's graphs on `options.device`."""
 
+    def draft(self, request: DecisionRequest, questions: list[Question]) -> Any:
+        """The part of `prepare` that needs no media (prompts rendered and tokenized), which the caller runs while
+        the request's media load and hands to `prepare`; None where the family does it all in `prepare`. Raises
+        only the `DecisionError`s that `prepare` would raise before it reads the media."""
+        return None
+
     @abstractmethod
-    def prepare(self, request: DecisionRequest, questions: list[Question], media: LoadedMedia[Any] | None = None
-                ) -> Prepared:
+    def prepare(self, request: DecisionRequest, questions: list[Question], media: LoadedMedia[Any] | None = None,
+                draft: Any = None) -> Prepared:
         """Prompts and labels on the request's `media` (loaded by `self.media` in the media pool; None when the
-        request has none); raises `DecisionError` for anything the model cannot answer."""
+        request has none) and on `draft` (this engine's `draft` of the request, or None: made here); raises
+        `DecisionError` for anything the model cannot answer."""
 
     @abstractmethod
     def run(self, prepared: Prepared, run_options: Any = None, encoded: Any = None) -> list[Readout]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -105,13 +105,23 @@ class MediaPool:
     def load(self, encoder: MediaEncoder[Any], request: DecisionRequest, deadline: Deadline | None = None
              ) -> LoadedMedia[Any]:
         """A request's media, loaded in the pool; the calling thread waits (the CLI, tests)."""
+        return self.begin(encoder, request, deadline)()
+
+    def begin(self, encoder: MediaEncoder[Any], request: DecisionRequest, deadline: Deadline | None = None
+              ) -> Callable[[], LoadedMedia[Any]]:
+        """A request's media jobs submitted to the pool; the function returned waits for them in the calling thread,
+        which may do other work first."""
         deadline = deadline or Deadline()
         keys, futures, batch = self._submit(encoder, request, deadline)
-        _, pending = wait(futures.values(), timeout=deadline.timeout(), return_when=FIRST_EXCEPTION)
-        if pending:
-            self._abandon(futures, batch)
-            wait(futures.values())
-        return self._collect(keys, futures, deadline)
+
+        def result() -> LoadedMedia[Any]:
+            _, pending = wait(futures.values(), timeout=deadline.timeout(), return_when=FIRST_EXCEPTION)
+            if pending:
+                self._abandon(futures, batch)
+                wait(futures.values())
+            return self._collect(keys, futures, deadline)
+
+        return result
 
     async def load_async(self, encoder: MediaEncoder[Any], request: DecisionRequest, deadline: Deadline
                          ) -> LoadedMedia[Any]:

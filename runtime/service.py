@@ -147,14 +147,24 @@ class DecisionService:
         return self.media_pool.load(self.engine.media, request, deadline)
 
     def prepare_loaded(self, request: DecisionRequest, questions: list[Question],
-                       media: LoadedMedia[Any] | None) -> Prepared:
-        """Prompts and labels on the loaded media; no graph has run."""
-        return self.engine.prepare(request, questions, media)
+                       media: LoadedMedia[Any] | None, draft: Any = None) -> Prepared:
+        """Prompts and labels on the loaded media (and the engine's `draft` of the request, if made); no graph has
+        run."""
+        return self.engine.prepare(request, questions, media, draft)
 
     def prepare(self, body: Any, deadline: Deadline | None = None) -> Prepared:
-        """Every check the request must pass, media read, prompts and labels ready; no graph has run."""
+        """Every check the request must pass, media read, prompts and labels ready; no graph has run. The prompts
+        are drafted while the media load."""
         request, questions = self.validate(body)
-        return self.prepare_loaded(request, questions, self.load_media(request, deadline))
+        if not self.has_media(request):
+            return self.prepare_loaded(request, questions, None)
+        loaded = self.media_pool.begin(self.engine.media, request, deadline)
+        try:
+            draft = self.engine.draft(request, questions)
+        except DecisionError:
+            loaded()  # media are read first (spec 1.3 step 8): their error is the one to give
+            raise
+        return self.prepare_loaded(request, questions, loaded(), draft)
 
     # -- prompts ----------------------------------------------------------------------------------------------
     def render(self, body: Any) -> list[RenderedPrompt]:

@@ -2,7 +2,8 @@
 by stage, and inside its image, the decode, the LFM2-VL processor and the vision graph.
 
 Stages, in the order a request runs them: validate; load_media (fetch, decode, cap and the processor, in the media
-pool); prepare_loaded (prompts rendered and tokenized, labels); encode_media (the vision graph over every crop);
+pool); prepare_loaded (prompts rendered and tokenized, labels); prepare (validate, load_media and prepare_loaded
+as `decide` runs them: the prompts tokenized while the image loads); encode_media (the vision graph over every crop);
 prefill (the shared prefix, images included, on an empty state); suffix_reads (the 16 questions on that state);
 whole_run (encode, prefill and reads as `Engine.run` does them). Medians leave out the first two requests.
 
@@ -64,6 +65,7 @@ def request_stages(service: DecisionService, requests: int) -> None:
         request, questions = timed("validate", lambda: service.validate(body))
         media = timed("load_media", lambda: service.load_media(request))
         prepared = timed("prepare_loaded", lambda: service.prepare_loaded(request, questions, media))
+        timed("prepare", lambda: service.prepare(body))
         encoded = timed("encode_media", lambda: engine.encode_media(prepared))
         ids = [p.token_ids for p in prepared.prompts]
         split = shared_prefix(ids)

@@ -212,10 +212,22 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             # Every check runs here (media read, prompts and labels included), before the request takes a slot.
             # Parsing threads never wait on media: the media pool's jobs are awaited on the event loop.
             checked, questions = await loop.run_in_executor(parsing, parse, raw)
-            media = (await service.media_pool.load_async(service.engine.media, checked, deadline)
-                     if service.has_media(checked) else None)
+            if not service.has_media(checked):
+                return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, None)
+            # The prompts are drafted while the media load; media are read first (spec 1.3 step 8), so their
+            # error, if any, is the one to give.
+            loading = asyncio.ensure_future(service.media_pool.load_async(service.engine.media, checked, deadline))
+            try:
+                draft = await loop.run_in_executor(parsing, service.engine.draft, checked, questions)
+            except DecisionError:
+                await loading
+                raise
+            except BaseException:
+                loading.cancel()  # the client left, or a fault: the media jobs stop with the task
+                raise
+            media = await loading
             deadline.check()
-            return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media)
+            return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media, draft)
 
         try:
             with body_memory.charge() as charge:  # what the body holds, from its first byte until it is prepared

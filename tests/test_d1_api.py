@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from systemone.models.errors import DecisionError
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
+from systemone.runtime.media_errors import MediaError
 from systemone.runtime.service import DecisionService
 from systemone.server.app import create_app
 from tests.http_helpers import assert_error, post
@@ -143,6 +145,23 @@ def test_prompt_length_limits(d1_artifact, d1_service):
     small = client_for(4)
     long_text = {"state": "y" * 200, "questions": {"q": NOUL}}
     assert_error(post(small, long_text), 400, "characters (more than", param="input_text")
+
+
+def test_an_image_error_wins_over_a_prompt_too_long(d1_artifact):
+    """Spec 1.3 step 8: images are read before the prompts are checked. The prompts are tokenized while the images
+    load, yet a request with an unreadable image and a state too long for the model gets the image's error, over
+    HTTP and through DecisionService.prepare; with a readable image, the prompt's."""
+    service = DecisionService(Artifact.load(d1_artifact), EngineOptions(device="cpu", max_model_len=20))
+    client = TestClient(create_app(service))
+    bad = {"state": "x " * 50, "images": ["data:image/png;base64,aGVsbG8="], "questions": {"q": NOUL}}
+    assert_error(post(client, bad), 400, "Failed to load image")
+    with pytest.raises(MediaError, match="Failed to load image"):
+        service.prepare(bad)
+    good = {**bad, "images": [data_url(gradient_png(200, 100))]}
+    assert_error(post(client, good), 400, "However, your prompt contains at least 21 input tokens",
+                 param="input_tokens")
+    with pytest.raises(DecisionError, match="at least 21 input tokens"):
+        service.prepare(good)
 
 
 @pytest.mark.parametrize("kwargs", [

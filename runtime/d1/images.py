@@ -91,15 +91,17 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
 
 
 def expand_images(ids: list[int], image_token_id: int, placeholders: list[list[int]]) -> list[int]:
-    """Each `<image>` token of a prompt replaced by its image's placeholder ids (spec 3.4, 3.8 step 4)."""
+    """Each `<image>` token of a prompt replaced by its image's placeholder ids (spec 3.4, 3.8 step 4); `ids` holds
+    one `<image>` a placeholder (the caller checked). Found by `list.index` and spliced: a Python loop over every
+    token took 1.8 ms for the bench's 16 prompts of 2,200 tokens on two cores."""
     out: list[int] = []
-    k = 0
-    for token in ids:
-        if token == image_token_id:
-            out += placeholders[k]
-            k += 1
-        else:
-            out.append(token)
+    start = 0
+    for placeholder in placeholders:
+        at = ids.index(image_token_id, start)
+        out += ids[start:at]
+        out += placeholder
+        start = at + 1
+    out += ids[start:]
     return out
 
 

@@ -73,7 +73,7 @@ class D3Engine(Engine):
                                 "truncated")
 
     def prepare(self, request: DecisionRequest, questions: list[Question],
-                media: LoadedMedia[Preprocessed] | None = None) -> Prepared:
+                media: LoadedMedia[Preprocessed] | None = None, draft: Any = None) -> Prepared:
         texts = render_texts(self.artifact.template, self.family, request, questions, self._check_characters,
                              self.max_model_len * self.max_chars_per_token)
         tokenizer = self.artifact.tokenizer
