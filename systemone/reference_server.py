@@ -35,8 +35,11 @@ class TorchEngine(Engine):
         self.unsupported = inner.unsupported
         self.media = inner.media
 
-    def prepare(self, request: Any, questions: list[Any], media: Any = None) -> Prepared:
-        return self.inner.prepare(request, questions, media)
+    def draft(self, request: Any, questions: list[Any]) -> Any:
+        return self.inner.draft(request, questions)
+
+    def prepare(self, request: Any, questions: list[Any], media: Any = None, draft: Any = None) -> Prepared:
+        return self.inner.prepare(request, questions, media, draft)
 
     def run(self, prepared: Prepared, run_options: Any = None) -> list[Readout]:
         if self.family.name == "d3":

@@ -68,7 +68,8 @@ class ToyEngine(Engine):
         self.max_model_len = artifact.max_model_len
         self.session = GraphSession(artifact.graph_path("text"), options.device)
 
-    def prepare(self, request: DecisionRequest, questions: list[Question], media: None = None) -> Prepared:
+    def prepare(self, request: DecisionRequest, questions: list[Question], media: None = None,
+                draft: None = None) -> Prepared:
         texts = render_texts(self.artifact.template, self.family, request, questions)
         ids = self.artifact.tokenizer.encode_batch(texts)
         prompts = [RenderedPrompt(q, t, i) for q, t, i in zip(questions, texts, ids)]

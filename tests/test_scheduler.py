@@ -301,7 +301,7 @@ class HeldEngine(Engine):
         self.entered = threading.Semaphore(0)
         self.stopped: list[bool] = []
 
-    def prepare(self, request, questions, media=None):
+    def prepare(self, request, questions, media=None, draft=None):
         raise NotImplementedError
 
     def run(self, prepared, run_options=None):
