@@ -110,6 +110,18 @@ def test_serve_prints_what_it_serves(capsys, d3_artifact, monkeypatch):
     assert summary["address"] == "http://127.0.0.1:8123/v1/systemone"
 
 
+@pytest.mark.parametrize(("flags", "access_log"), [((), False), (("--access-log",), True)])
+def test_uvicorns_access_log_is_off_unless_asked(capsys, d3_artifact, monkeypatch, flags, access_log):
+    """Each decision request is logged once, by the server; uvicorn's access line repeated it on the event loop."""
+    import uvicorn
+
+    given = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: given.update(kwargs))
+    code, _, _ = run(capsys, "serve", str(d3_artifact), "--device", "cpu", *flags)
+    assert code == 0
+    assert given["access_log"] is access_log
+
+
 @pytest.mark.parametrize(("flag", "held"), [("4096", "4096"), ("512", "1024")])
 def test_max_batch_tokens_bounds_a_text_graph_call_but_never_below_the_longest_d3_prompt(capsys, d3_artifact,
                                                                                           monkeypatch, flag, held):
