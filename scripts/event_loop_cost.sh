@@ -10,7 +10,7 @@ shift $(( $# < 4 ? $# : 4 )); [ "${1:-}" = "--" ] && shift
 python="${PYTHON:-python3}"; port="${PORT:-8010}"; out="${OUT:-/tmp}"
 $python -m systemone.cli serve "$artifact" --device "$device" --port "$port" "$@" > "$out/event_loop_serve.log" 2>&1 &
 server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
   sleep 0.5; kill -0 $server 2>/dev/null || { tail -5 "$out/event_loop_serve.log"; exit 1; }
 done
