@@ -17,7 +17,8 @@ from .body import BodyTimeout, NotJson
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type",
-               422: "unprocessable_entity_error", 500: "server_error", 503: "overloaded_error"}
+               422: "unprocessable_entity_error", 431: "request_header_fields_too_large", 500: "server_error",
+               503: "overloaded_error"}
 
 _OBJECT_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[^\s'\"`,;)]*)?")

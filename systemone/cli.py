@@ -107,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.allocator import release_freed_memory
     from .server.app import ServerOptions, create_app
     from .server.auth import is_loopback
-    from .server.connections import AcceptFailureFilter, guarded_protocol, raise_descriptor_limit
+    from .server.connections import (H11_BUFFER_BYTES, AcceptFailureFilter, event_loop, guarded_protocol, http_protocol,
+                                     raise_descriptor_limit)
 
     api_key = (args.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None
     if api_key is None and not is_loopback(args.host) and not args.allow_unauthenticated:
@@ -129,6 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(service, options)
     _print_summary(service, args)
     print(f"systemone serve: {'batch rows':<13} {app.state.batch_sizing.describe()}", flush=True)
+    (parser, protocol), loop = http_protocol(args.http), event_loop(args.loop)
+    print(f"systemone serve: {'http':<13} {parser} parser, {loop} event loop", flush=True)
     print(f"systemone serve: {'allocator':<13} "
           + ("buffers of 1 MiB and more unmapped when freed, up to 16 MiB kept free atop each of 2 malloc arenas"
              if released
@@ -138,7 +141,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # text-only load (tiny d3 on two cores, py-spy), where the loop is what bounds requests/s.
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                     timeout_graceful_shutdown=int(args.request_timeout) + 5,
-                    http=guarded_protocol(args.header_timeout, max_connections, args.max_connections_per_client),
+                    http=guarded_protocol(args.header_timeout, max_connections, args.max_connections_per_client,
+                                          base=protocol),
+                    loop=loop, h11_max_incomplete_event_size=H11_BUFFER_BYTES,
                     # One over the cap: the guard keeps connections at it (a new one displacing a waiting one),
                     # and uvicorn answers 503 from `limit_concurrency` connections on.
                     limit_concurrency=max_connections + 1,
@@ -395,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections-per-client", type=_non_negative_int, default=0,
                        help="open connections from one client address; more are closed at once (0: no such cap; "
                             "behind a reverse proxy every connection has the proxy's address)")
+    serve.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                       help="the HTTP parser (auto: httptools where it is installed, else h11)")
+    serve.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                       help="the event loop (auto: uvloop where it is installed, else asyncio)")
     serve.add_argument("--access-log", action="store_true",
                        help="uvicorn's line for every HTTP request too (decision requests are logged once anyway)")
     serve.add_argument("--log-level", default="info",

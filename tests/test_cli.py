@@ -122,6 +122,21 @@ def test_uvicorns_access_log_is_off_unless_asked(capsys, d3_artifact, monkeypatc
     assert given["access_log"] is access_log
 
 
+@pytest.mark.parametrize(("flags", "parser", "loop"), [((), "httptools", "uvloop"),
+                                                        (("--http", "h11", "--loop", "asyncio"), "h11", "asyncio")])
+def test_serve_runs_the_c_parser_and_uvloop_unless_told_otherwise_and_says_which(capsys, d3_artifact, monkeypatch,
+                                                                                   flags, parser, loop):
+    import uvicorn
+
+    given = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: given.update(kwargs))
+    code, out, _ = run(capsys, "serve", str(d3_artifact), "--device", "cpu", *flags)
+    assert code == 0
+    assert f"systemone serve: http          {parser} parser, {loop} event loop" in out.splitlines()
+    assert given["loop"] == loop
+    assert given["http"].__mro__[1].__module__ == f"uvicorn.protocols.http.{parser}_impl"
+
+
 @pytest.mark.parametrize(("flag", "held"), [("4096", "4096"), ("512", "1024")])
 def test_max_batch_tokens_bounds_a_text_graph_call_but_never_below_the_longest_d3_prompt(capsys, d3_artifact,
                                                                                           monkeypatch, flag, held):

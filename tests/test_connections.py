@@ -10,10 +10,13 @@ import subprocess
 import time
 
 import httpx
+import pytest
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from systemone.local_server import free_port, serve_command, start_server
 from systemone.server.app import ServerOptions
-from systemone.server.connections import guarded_protocol
+from systemone.server.connections import H11_BUFFER_BYTES, MAX_HEADER_BYTES, guarded_protocol, http_protocol
 from tests.live_server import live_server, port_of
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
@@ -34,8 +37,39 @@ def closed_by_server_within(sock: socket.socket, seconds: float) -> bool:
         return True
 
 
-def test_headers_sent_a_byte_at_a_time_are_cut_off(d3_service):
-    with live_server(d3_service, http=guarded_protocol(1.0, 100)) as base:
+# serve runs httptools' parser where it is installed and h11's otherwise (as serve sets it up); the guards hold on both.
+PARSERS = {"httptools": HttpToolsProtocol, "h11": H11Protocol}
+
+
+def guarded(parser: str, *args, **kwargs) -> dict:
+    return {"http": guarded_protocol(*args, base=PARSERS[parser], **kwargs),
+            "h11_max_incomplete_event_size": H11_BUFFER_BYTES}
+
+
+def request_with_headers(pad: int, body: bytes = GOOD) -> bytes:
+    return (b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Pad: %s\r\n"
+            b"Content-Length: %d\r\n\r\n" % (b"a" * pad, len(body))) + body
+
+
+def response_of(sock: socket.socket) -> bytes:
+    """One response whose head says its length, read whole."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_serve_takes_httptools_parser_where_it_is_installed():
+    assert http_protocol() == ("httptools", HttpToolsProtocol)
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_headers_sent_a_byte_at_a_time_are_cut_off(d3_service, parser):
+    with live_server(d3_service, **guarded(parser, 1.0, 100)) as base:
         with socket.create_connection(("127.0.0.1", port_of(base))) as s:
             start = time.monotonic()
             s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n")
@@ -44,10 +78,48 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off(d3_service):
         assert httpx.get(base + "/health").status_code == 200
 
 
-def test_past_the_cap_a_new_connection_displaces_the_one_waiting_longest_for_headers(d3_service):
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_request_line_and_headers_over_16_kib_are_a_431_and_the_connection_closes(d3_service, parser):
+    """Headers of 20 KiB arriving in reads of 4 KiB: 431 naming the limit, then the server closes the connection
+    without waiting for the rest."""
+    request = request_with_headers(20 * 1024)
+    with live_server(d3_service, **guarded(parser, 30.0, 100)) as base:
+        with socket.create_connection(("127.0.0.1", port_of(base))) as s:
+            s.settimeout(10)
+            for start in range(0, 20 * 1024, 4096):
+                s.sendall(request[start:start + 4096])
+                time.sleep(0.02)
+            answer = response_of(s)
+            assert answer.startswith(b"HTTP/1.1 431")
+            error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+            assert error["code"] == 431 and f"limit of {MAX_HEADER_BYTES} bytes" in error["message"]
+            assert closed_by_server_within(s, 2)
+        assert httpx.get(base + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_the_header_cap_counts_each_request_alone_and_never_its_body(d3_service, parser):
+    """On one keep-alive connection, three requests with 10 KiB of headers each (30 KiB in all) arriving in two reads,
+    then one with 15 KiB of headers and a 64 KiB body sent in one write: all answered 200."""
+    big_body = json.dumps({"state": "x" * 64 * 1024, "questions": {"q": NOUL}}).encode()
+    with live_server(d3_service, **guarded(parser, 30.0, 100)) as base:
+        with socket.create_connection(("127.0.0.1", port_of(base))) as s:
+            s.settimeout(30)
+            for _ in range(3):
+                request = request_with_headers(10 * 1024)
+                s.sendall(request[:8 * 1024])
+                time.sleep(0.05)
+                s.sendall(request[8 * 1024:])
+                assert response_of(s).startswith(b"HTTP/1.1 200")
+            s.sendall(request_with_headers(15 * 1024, big_body))
+            assert response_of(s).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_past_the_cap_a_new_connection_displaces_the_one_waiting_longest_for_headers(d3_service, parser):
     """Cap 8: of 20 connections that send nothing, each past the eighth closes the oldest silent one, so the first 12
     are closed and the last 8 stay; a client that then sends its request at once is answered."""
-    with live_server(d3_service, http=guarded_protocol(30.0, 8)) as base:
+    with live_server(d3_service, **guarded(parser, 30.0, 8)) as base:
         sockets = []
         for _ in range(20):
             sockets.append(socket.create_connection(("127.0.0.1", port_of(base))))
