@@ -120,6 +120,9 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, max_per_clie
                 del waiting[oldest]
                 if oldest is not self and oldest._waiting_for_headers():
                     oldest.transport.abort()
+                    # Out of uvicorn's count now, not at its connection_lost a loop turn later: a request that
+                    # comes with the new connection would otherwise meet `limit_concurrency` and get a 503.
+                    self.connections.discard(oldest)
                     return True
             return False
 

@@ -133,6 +133,26 @@ def test_past_the_cap_a_new_connection_displaces_the_one_waiting_longest_for_hea
                 s.close()
 
 
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_request_sent_at_once_on_a_connection_past_the_cap_is_answered(d3_service, parser):
+    """Cap 8 (uvicorn answers 503 from 9 open connections on), 8 silent connections: a new connection that sends its
+    request at once displaces the oldest one and is answered 200, 20 times over, never counted beside the one it
+    displaced."""
+    request = request_with_headers(0)
+    with live_server(d3_service, **guarded(parser, 30.0, 8), limit_concurrency=9) as base:
+        silent = [socket.create_connection(("127.0.0.1", port_of(base))) for _ in range(8)]
+        try:
+            for _ in range(20):
+                s = socket.create_connection(("127.0.0.1", port_of(base)))
+                s.sendall(request)
+                s.settimeout(30)
+                assert response_of(s).startswith(b"HTTP/1.1 200")
+                silent.append(s)  # silent from now on: the next one displaces the oldest
+        finally:
+            for s in silent:
+                s.close()
+
+
 def test_past_the_cap_with_every_request_in_flight_a_new_connection_is_closed(d3_service):
     """Connections whose requests are in flight (headers in, body arriving) are never displaced: at the cap the new
     connection is the one closed, and the requests go on."""
