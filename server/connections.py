@@ -47,7 +47,7 @@ def http_protocol(parser: str = "auto") -> tuple[str, type[asyncio.Protocol]]:
             from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
         except ImportError:
             if parser == "httptools":
-                raise
+                raise ImportError("--http httptools: httptools is not installed") from None
         else:
             return "httptools", HttpToolsProtocol
     return "h11", H11Protocol
@@ -56,9 +56,10 @@ def http_protocol(parser: str = "auto") -> tuple[str, type[asyncio.Protocol]]:
 def event_loop(loop: str = "auto") -> str:
     """The event loop uvicorn is to run, by the name its `loop` setting takes: `auto` takes uvloop where it is
     installed (its loop costs a request less time than asyncio's) and asyncio otherwise."""
-    if loop == "auto":
-        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    return loop
+    installed = importlib.util.find_spec("uvloop") is not None
+    if loop == "uvloop" and not installed:
+        raise ImportError("--loop uvloop: uvloop is not installed")
+    return ("uvloop" if installed else "asyncio") if loop == "auto" else loop
 
 
 def guarded_protocol(header_timeout_s: float, max_connections: int, max_per_client: int = 0,

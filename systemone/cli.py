@@ -107,13 +107,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.allocator import release_freed_memory
     from .server.app import ServerOptions, create_app
     from .server.auth import is_loopback
-    from .server.connections import (H11_BUFFER_BYTES, AcceptFailureFilter, event_loop, guarded_protocol, http_protocol,
-                                     raise_descriptor_limit)
+    from .server.connections import (H11_BUFFER_BYTES, AcceptFailureFilter, event_loop, guarded_protocol,
+                                     http_protocol, raise_descriptor_limit)
 
     api_key = (args.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None
     if api_key is None and not is_loopback(args.host) and not args.allow_unauthenticated:
         print(f"refusing to serve on {args.host} without an API key: set --api-key (or {API_KEY_ENV}), bind a "
               "loopback address, or pass --allow-unauthenticated", file=sys.stderr)
+        return 2
+    try:  # before the model loads: a parser or loop asked for by name must be installed
+        (parser, protocol), loop = http_protocol(args.http), event_loop(args.loop)
+    except ImportError as exc:
+        print(f"systemone serve: {exc}", file=sys.stderr)
         return 2
     options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
@@ -130,7 +135,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(service, options)
     _print_summary(service, args)
     print(f"systemone serve: {'batch rows':<13} {app.state.batch_sizing.describe()}", flush=True)
-    (parser, protocol), loop = http_protocol(args.http), event_loop(args.loop)
     print(f"systemone serve: {'http':<13} {parser} parser, {loop} event loop", flush=True)
     print(f"systemone serve: {'allocator':<13} "
           + ("buffers of 1 MiB and more unmapped when freed, up to 16 MiB kept free atop each of 2 malloc arenas"

@@ -137,6 +137,28 @@ def test_serve_runs_the_c_parser_and_uvloop_unless_told_otherwise_and_says_which
     assert given["http"].__mro__[1].__module__ == f"uvicorn.protocols.http.{parser}_impl"
 
 
+@pytest.mark.parametrize(("flags", "missing", "message"), [
+    (("--http", "httptools"), "uvicorn.protocols.http.httptools_impl", "--http httptools: httptools is not installed"),
+    (("--loop", "uvloop"), "uvloop", "--loop uvloop: uvloop is not installed")])
+def test_a_parser_or_loop_named_but_not_installed_stops_serve_before_the_model_loads(capsys, d3_artifact, monkeypatch,
+                                                                                     flags, missing, message):
+    import importlib.util
+    import sys
+
+    import uvicorn
+
+    from systemone import cli
+
+    monkeypatch.setitem(sys.modules, missing, None)  # an import of it fails, as when it is not installed
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    monkeypatch.setattr(cli, "_service", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: pytest.fail("uvicorn ran"))
+    code, _, err = run(capsys, "serve", str(d3_artifact), "--device", "cpu", *flags)
+    assert code == 2
+    assert message in err
+
+
 @pytest.mark.parametrize(("flag", "held"), [("4096", "4096"), ("512", "1024")])
 def test_max_batch_tokens_bounds_a_text_graph_call_but_never_below_the_longest_d3_prompt(capsys, d3_artifact,
                                                                                           monkeypatch, flag, held):

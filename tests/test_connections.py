@@ -57,7 +57,8 @@ def response_of(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    lines = head.lower().split(b"\r\n")
+    length = int(next(line.split(b":")[1] for line in lines if line.startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
