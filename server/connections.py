@@ -27,6 +27,7 @@ import logging
 import resource
 import time
 from collections import Counter
+from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -156,6 +157,14 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, max_per_clie
             super().connection_lost(exc)
 
     return GuardedProtocol
+
+
+def guarded_http_settings(header_timeout_s: float, max_connections: int, max_per_client: int = 0,
+                          base: type[asyncio.Protocol] | None = None) -> dict[str, Any]:
+    """uvicorn's settings for `guarded_protocol` on `base`: the protocol, and h11's own header buffer set above the
+    guard's cap, so that a client gets the guard's 431 on either parser."""
+    return {"http": guarded_protocol(header_timeout_s, max_connections, max_per_client, base=base),
+            "h11_max_incomplete_event_size": H11_BUFFER_BYTES}
 
 
 def _header_refusal(max_header_bytes: int) -> bytes:

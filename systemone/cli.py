@@ -107,8 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.allocator import release_freed_memory
     from .server.app import ServerOptions, create_app
     from .server.auth import is_loopback
-    from .server.connections import (H11_BUFFER_BYTES, AcceptFailureFilter, event_loop, guarded_protocol,
-                                     http_protocol, raise_descriptor_limit)
+    from .server.connections import (AcceptFailureFilter, event_loop, guarded_http_settings, http_protocol,
+                                     raise_descriptor_limit)
 
     api_key = (args.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None
     if api_key is None and not is_loopback(args.host) and not args.allow_unauthenticated:
@@ -145,9 +145,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # text-only load (tiny d3 on two cores, py-spy), where the loop is what bounds requests/s.
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                     timeout_graceful_shutdown=int(args.request_timeout) + 5,
-                    http=guarded_protocol(args.header_timeout, max_connections, args.max_connections_per_client,
-                                          base=protocol),
-                    loop=loop, h11_max_incomplete_event_size=H11_BUFFER_BYTES,
+                    **guarded_http_settings(args.header_timeout, max_connections, args.max_connections_per_client,
+                                            base=protocol),
+                    loop=loop,
                     # One over the cap: the guard keeps connections at it (a new one displacing a waiting one),
                     # and uvicorn answers 503 from `limit_concurrency` connections on.
                     limit_concurrency=max_connections + 1,

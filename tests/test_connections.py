@@ -16,7 +16,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from systemone.local_server import free_port, serve_command, start_server
 from systemone.server.app import ServerOptions
-from systemone.server.connections import H11_BUFFER_BYTES, MAX_HEADER_BYTES, guarded_protocol, http_protocol
+from systemone.server.connections import MAX_HEADER_BYTES, guarded_http_settings, guarded_protocol, http_protocol
 from tests.live_server import live_server, port_of
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
@@ -42,8 +42,7 @@ PARSERS = {"httptools": HttpToolsProtocol, "h11": H11Protocol}
 
 
 def guarded(parser: str, *args, **kwargs) -> dict:
-    return {"http": guarded_protocol(*args, base=PARSERS[parser], **kwargs),
-            "h11_max_incomplete_event_size": H11_BUFFER_BYTES}
+    return guarded_http_settings(*args, base=PARSERS[parser], **kwargs)
 
 
 def request_with_headers(pad: int, body: bytes = GOOD) -> bytes:
