@@ -14,17 +14,19 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, TypeVar
 
-from ..models.errors import TimedOut
+from ..models.errors import DecisionError, TimedOut
 from ..models.request import DecisionRequest
 from .blas_threads import one_blas_thread
 from .deadline import Deadline
 from .media_allowance import MediaAllowance, MediaBudget
 from .media_encoder import LoadedMedia, MediaEncoder
 from .pixel_workers import PixelWorkers
+
+Drafted = TypeVar("Drafted")
 
 
 class MediaPool:
@@ -90,55 +92,104 @@ class MediaPool:
                     self.queued -= 1
         deadline.cancel()
 
-    @staticmethod
-    def _collect(keys: list[Hashable], futures: dict[Hashable, Future], deadline: Deadline) -> LoadedMedia[Any]:
-        """Every job done: the items, or the first error in request order (a sibling's cut-short fetch is not
-        the error the client needs to see)."""
-        errors = [e for f in futures.values() if not f.cancelled() and (e := f.exception()) is not None]
-        if errors:
-            real = [e for e in errors if not isinstance(e, TimedOut)]
-            raise (real or errors)[0]
-        if any(f.cancelled() for f in futures.values()):
-            raise deadline.error()
-        return LoadedMedia(keys, {key: f.result() for key, f in futures.items()})
-
     def load(self, encoder: MediaEncoder[Any], request: DecisionRequest, deadline: Deadline | None = None
              ) -> LoadedMedia[Any]:
         """A request's media, loaded in the pool; the calling thread waits (the CLI, tests)."""
-        return self.begin(encoder, request, deadline)()
+        return self.begin(encoder, request, deadline).result()
 
     def begin(self, encoder: MediaEncoder[Any], request: DecisionRequest, deadline: Deadline | None = None
-              ) -> Callable[[], LoadedMedia[Any]]:
-        """A request's media jobs submitted to the pool; the function returned waits for them in the calling thread,
-        which may do other work first."""
+              ) -> MediaLoad:
+        """A request's media jobs submitted to the pool; the caller waits for them later, in a thread or on the
+        event loop, and may draft the request's prompts first."""
         deadline = deadline or Deadline()
         keys, futures, batch = self._submit(encoder, request, deadline)
+        return MediaLoad(self, keys, futures, batch, deadline)
 
-        def result() -> LoadedMedia[Any]:
-            _, pending = wait(futures.values(), timeout=deadline.timeout(), return_when=FIRST_EXCEPTION)
-            if pending:
-                self._abandon(futures, batch)
-                wait(futures.values())
-            return self._collect(keys, futures, deadline)
 
-        return result
+def media_error_first(draft_error: BaseException) -> bool:
+    """Whether a request whose prompts failed to draft with `draft_error` waits for its media before that error is
+    given. Media are read before the prompts are checked (spec 1.3 step 8), so when the draft fails on the request
+    (a `DecisionError`), a media error, if any, is the one to give; a fault, or the client gone, stops the media
+    instead."""
+    return isinstance(draft_error, DecisionError)
 
-    async def load_async(self, encoder: MediaEncoder[Any], request: DecisionRequest, deadline: Deadline
-                         ) -> LoadedMedia[Any]:
-        """The same, awaited on the event loop: no thread waits for the jobs, and a cancelled task (the client
-        went away) abandons them."""
-        keys, futures, batch = self._submit(encoder, request, deadline)
-        wrapped = [asyncio.wrap_future(f) for f in futures.values()]
+
+class MediaLoad:
+    """One request's media jobs in the pool: waited for in the calling thread (`result`) or on the event loop
+    (`result_async`), or stopped (`cancel`). `with_draft` and `with_draft_async` draft the request's prompts while the
+    media load, with `media_error_first` deciding what a failed draft does to them."""
+
+    def __init__(self, pool: MediaPool, keys: list[Hashable], futures: dict[Hashable, Future], batch: Deadline,
+                 deadline: Deadline):
+        self._pool = pool
+        self._keys = keys
+        self._futures = futures
+        self._batch = batch  # the jobs' own deadline: cancelled when one fails or the request stops them
+        self._deadline = deadline
+
+    def cancel(self) -> None:
+        """Queued jobs never start and running ones stop (their fetches' sockets shut); returns at once."""
+        self._pool._abandon(self._futures, self._batch)
+
+    def _collect(self) -> LoadedMedia[Any]:
+        """Every job done: the items, or the first error in request order (a sibling's cut-short fetch is not
+        the error the client needs to see)."""
+        futures = self._futures.values()
+        errors = [e for f in futures if not f.cancelled() and (e := f.exception()) is not None]
+        if errors:
+            real = [e for e in errors if not isinstance(e, TimedOut)]
+            raise (real or errors)[0]
+        if any(f.cancelled() for f in futures):
+            raise self._deadline.error()
+        return LoadedMedia(self._keys, {key: f.result() for key, f in self._futures.items()})
+
+    def result(self) -> LoadedMedia[Any]:
+        """The media, the calling thread waiting for them (the jobs stop at the request's deadline or the first
+        failure)."""
+        _, pending = wait(self._futures.values(), timeout=self._deadline.timeout(), return_when=FIRST_EXCEPTION)
+        if pending:
+            self.cancel()
+            wait(self._futures.values())
+        return self._collect()
+
+    async def result_async(self) -> LoadedMedia[Any]:
+        """The same, awaited on the event loop: no thread waits for the jobs, and a cancelled task (the client went
+        away) stops them."""
+        wrapped = [asyncio.wrap_future(f) for f in self._futures.values()]
         try:
-            _, pending = await asyncio.wait(wrapped, timeout=deadline.timeout(), return_when=FIRST_EXCEPTION)
+            _, pending = await asyncio.wait(wrapped, timeout=self._deadline.timeout(), return_when=FIRST_EXCEPTION)
             if pending:
-                self._abandon(futures, batch)
+                self.cancel()
                 await asyncio.wait(wrapped)
         except asyncio.CancelledError:
-            self._abandon(futures, batch)
+            self.cancel()
             raise
         finally:
-            for future in wrapped:  # read here through `futures`; marked retrieved so asyncio does not log them
+            for future in wrapped:  # read in `_collect`; marked retrieved so asyncio does not log them
                 if future.done() and not future.cancelled():
                     future.exception()
-        return self._collect(keys, futures, deadline)
+        return self._collect()
+
+    def with_draft(self, draft: Callable[[], Drafted]) -> tuple[Drafted, LoadedMedia[Any]]:
+        """`draft()` run in the calling thread while the media load; then the draft and the media."""
+        try:
+            drafted = draft()
+        except BaseException as error:
+            if media_error_first(error):
+                self.result()
+            else:
+                self.cancel()
+            raise
+        return drafted, self.result()
+
+    async def with_draft_async(self, draft: Awaitable[Drafted]) -> tuple[Drafted, LoadedMedia[Any]]:
+        """`with_draft` on the event loop: `draft` (a parsing thread's future, say) awaited while the media load."""
+        try:
+            drafted = await draft
+        except BaseException as error:
+            if media_error_first(error):
+                await self.result_async()
+            else:
+                self.cancel()
+            raise
+        return drafted, await self.result_async()

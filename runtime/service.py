@@ -140,8 +140,8 @@ class DecisionService:
         return self.engine.media is not None and bool(self.engine.media.jobs(request))
 
     def load_media(self, request: DecisionRequest, deadline: Deadline | None = None) -> LoadedMedia[Any] | None:
-        """The request's media fetched, decoded and preprocessed in the media pool (the server awaits
-        `media_pool.load_async` instead, so no parsing thread waits on a fetch)."""
+        """The request's media fetched, decoded and preprocessed in the media pool (the server awaits them on its
+        event loop instead, so no parsing thread waits on a fetch)."""
         if not self.has_media(request):
             return None
         return self.media_pool.load(self.engine.media, request, deadline)
@@ -158,13 +158,9 @@ class DecisionService:
         request, questions = self.validate(body)
         if not self.has_media(request):
             return self.prepare_loaded(request, questions, None)
-        loaded = self.media_pool.begin(self.engine.media, request, deadline)
-        try:
-            draft = self.engine.draft(request, questions)
-        except DecisionError:
-            loaded()  # media are read first (spec 1.3 step 8): their error is the one to give
-            raise
-        return self.prepare_loaded(request, questions, loaded(), draft)
+        loading = self.media_pool.begin(self.engine.media, request, deadline)
+        draft, media = loading.with_draft(lambda: self.engine.draft(request, questions))
+        return self.prepare_loaded(request, questions, media, draft)
 
     # -- prompts ----------------------------------------------------------------------------------------------
     def render(self, body: Any) -> list[RenderedPrompt]:

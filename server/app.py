@@ -224,18 +224,10 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             checked, questions, prepared = await loop.run_in_executor(parsing, parse_text, raw)
             if prepared is not None:
                 return prepared
-            # The prompts are drafted while the media load; media are read first (spec 1.3 step 8), so their
-            # error, if any, is the one to give.
-            loading = asyncio.ensure_future(service.media_pool.load_async(service.engine.media, checked, deadline))
-            try:
-                draft = await loop.run_in_executor(parsing, service.engine.draft, checked, questions)
-            except DecisionError:
-                await loading
-                raise
-            except BaseException:
-                loading.cancel()  # the client left, or a fault: the media jobs stop with the task
-                raise
-            media = await loading
+            # The prompts are drafted in a parsing thread while the media load (runtime/media_pool.py, MediaLoad).
+            loading = service.media_pool.begin(service.engine.media, checked, deadline)
+            draft, media = await loading.with_draft_async(
+                loop.run_in_executor(parsing, service.engine.draft, checked, questions))
             deadline.check()
             return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media, draft)
 

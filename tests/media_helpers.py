@@ -1,4 +1,5 @@
-"""Test media: deterministic images in several encodings, data URLs, and a loopback HTTP server that counts GETs."""
+"""Test media: deterministic images in several encodings, data URLs, a loopback HTTP server that counts GETs, and a
+media encoder whose one job is held until stopped."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import threading
 from collections import Counter
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from scripts.vision_fixtures import fixture_image
+from systemone.runtime.media_encoder import MediaEncoder
+from systemone.runtime.media_errors import MediaError
 
 
 def encoded(image: Image.Image, fmt: str, **save) -> bytes:
@@ -159,3 +163,27 @@ def gradient_png(width: int, height: int, seed: int = 0) -> bytes:
     rgb = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), (x + y) % 256], axis=-1)
     rgb = np.clip(rgb + rng.integers(-6, 7, rgb.shape), 0, 255).astype(np.uint8)
     return encoded(Image.fromarray(rgb), "PNG")
+
+
+class HeldMedia(MediaEncoder[str]):
+    """One image whose job runs `seconds` or until the request stops it, then gives its key or fails with `error`."""
+
+    def __init__(self, seconds: float, error: str | None = None):
+        super().__init__(session=None, policy=None)  # type: ignore[arg-type]  # never fetches nor runs a graph
+        self.seconds, self.error = seconds, error
+        self.started, self.stopped = threading.Event(), threading.Event()
+
+    def jobs(self, request: Any) -> list[tuple[str, str]]:
+        return [("photo", "images[0]")]
+
+    def load_one(self, key, where, deadline, allowance, workers) -> str:
+        deadline.on_cancel(self.stopped.set)
+        self.started.set()
+        if self.stopped.wait(self.seconds):
+            raise deadline.error()
+        if self.error:
+            raise MediaError(where, self.error)
+        return key
+
+    def rows(self, item, run_options):
+        raise NotImplementedError

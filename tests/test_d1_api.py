@@ -14,7 +14,7 @@ from systemone.runtime.media_errors import MediaError
 from systemone.runtime.service import DecisionService
 from systemone.server.app import create_app
 from tests.http_helpers import assert_error, post
-from tests.media_helpers import data_url, gradient_png
+from tests.media_helpers import HeldMedia, data_url, gradient_png
 
 SERVED = "LiquidAI/d1-tiny"
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
@@ -162,6 +162,28 @@ def test_an_image_error_wins_over_a_prompt_too_long(d1_artifact):
                  param="input_tokens")
     with pytest.raises(DecisionError, match="at least 21 input tokens"):
         service.prepare(good)
+
+
+@pytest.mark.parametrize("path", ["DecisionService.prepare", "HTTP"])
+def test_a_fault_while_the_prompts_are_drafted_stops_the_requests_media(d1_service, monkeypatch, path):
+    """A request's prompts are drafted while its image loads; when the draft fails with a fault (not a request
+    error), nothing will read the image, so its job stops at once instead of holding a media thread."""
+    media = HeldMedia(seconds=30)
+
+    def faulty_draft(request, questions):
+        assert media.started.wait(5)
+        raise RuntimeError("a fault while drafting")
+
+    monkeypatch.setattr(d1_service.engine, "media", media)
+    monkeypatch.setattr(d1_service.engine, "draft", faulty_draft)
+    body = {"state": "x", "questions": {"q": NOUL}}
+    if path == "HTTP":
+        with TestClient(create_app(d1_service), raise_server_exceptions=False) as client:
+            assert post(client, body).status_code == 500  # a fault is ours: a 500, the server goes on
+    else:
+        with pytest.raises(RuntimeError, match="a fault while drafting"):
+            d1_service.prepare(body)
+    assert media.stopped.wait(2), "the image's job ran on"
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -1,0 +1,88 @@
+"""A request's media load in the media pool's threads while its prompts are drafted (runtime/media_pool.py): media
+are read before the prompts are checked (spec 1.3 step 8), and no media thread works on for a request that failed.
+Each rule holds for both ways of waiting: in the calling thread (the CLI, `DecisionService.prepare`) and on the
+event loop (the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from systemone.models.errors import DecisionError
+from systemone.runtime.media_errors import MediaError
+from systemone.runtime.media_pool import MediaLoad, MediaPool
+from tests.media_helpers import HeldMedia
+
+
+def drafted(loading: MediaLoad, draft: Callable[[], str], waits_on: str):
+    if waits_on == "thread":
+        return loading.with_draft(draft)
+
+    async def on_the_event_loop():
+        return await loading.with_draft_async(asyncio.get_running_loop().run_in_executor(None, draft))
+    return asyncio.run(on_the_event_loop())
+
+
+@pytest.fixture
+def pool():
+    pool = MediaPool(workers=2)
+    yield pool
+    pool.close()
+
+
+WAYS = ["thread", "event loop"]
+
+
+@pytest.mark.parametrize("waits_on", WAYS)
+def test_the_prompts_are_drafted_while_the_media_load(pool, waits_on):
+    media = HeldMedia(seconds=0.2)
+
+    def draft() -> str:
+        assert media.started.wait(5) and not media.stopped.is_set()  # the image is loading now
+        return "prompts"
+
+    prompts, loaded = drafted(pool.begin(media, request=None), draft, waits_on)
+    assert prompts == "prompts" and loaded.items == {"photo": "photo"}
+
+
+@pytest.mark.parametrize("waits_on", WAYS)
+def test_a_media_error_wins_over_the_prompts_error(pool, waits_on):
+    """Spec 1.3 step 8: the image is read before the prompt is checked, so its error is the one given."""
+    def draft() -> str:
+        raise DecisionError("However, your prompt contains at least 21 input tokens")
+
+    with pytest.raises(MediaError, match="images\\[0\\]: not an image"):
+        drafted(pool.begin(HeldMedia(seconds=0.1, error="not an image"), request=None), draft, waits_on)
+
+
+@pytest.mark.parametrize("waits_on", WAYS)
+def test_with_readable_media_the_prompts_error_is_given(pool, waits_on):
+    media = HeldMedia(seconds=0.1)
+
+    def draft() -> str:
+        raise DecisionError("However, your prompt contains at least 21 input tokens")
+
+    with pytest.raises(DecisionError, match="at least 21 input tokens"):
+        drafted(pool.begin(media, request=None), draft, waits_on)
+    assert not media.stopped.is_set()  # waited for to its end, not stopped
+
+
+@pytest.mark.parametrize("waits_on", WAYS)
+def test_a_fault_in_the_draft_stops_the_requests_media_at_once(pool, waits_on):
+    """Nothing will read this request's media: its job stops rather than hold a media thread for its whole time."""
+    media = HeldMedia(seconds=30)
+
+    def draft() -> str:
+        assert media.started.wait(5)
+        raise RuntimeError("a fault while drafting")
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="a fault while drafting"):
+        drafted(pool.begin(media, request=None), draft, waits_on)
+    assert media.stopped.wait(2), "the media job ran on"
+    while pool.running and time.monotonic() - start < 5:
+        time.sleep(0.01)
+    assert pool.running == 0 and time.monotonic() - start < 5
