@@ -106,6 +106,11 @@ class MediaPool:
         return MediaLoad(self, keys, futures, batch, deadline)
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def media_error_first(draft_error: BaseException) -> bool:
     """Whether a request whose prompts failed to draft with `draft_error` waits for its media before that error is
     given. Media are read before the prompts are checked (spec 1.3 step 8), so when the draft fails on the request
@@ -126,10 +131,14 @@ class MediaLoad:
         self._futures = futures
         self._batch = batch  # the jobs' own deadline: cancelled when one fails or the request stops them
         self._deadline = deadline
+        self._cancelled = False
 
     def cancel(self) -> None:
-        """Queued jobs never start and running ones stop (their fetches' sockets shut); returns at once."""
-        self._pool._abandon(self._futures, self._batch)
+        """Queued jobs never start and running ones stop (their fetches' sockets shut); returns at once. Only the
+        first call does anything (a queued job is counted out of the pool's queue once)."""
+        if not self._cancelled:
+            self._cancelled = True
+            self._pool._abandon(self._futures, self._batch)
 
     def _collect(self) -> LoadedMedia[Any]:
         """Every job done: the items, or the first error in request order (a sibling's cut-short fetch is not
@@ -165,9 +174,8 @@ class MediaLoad:
             self.cancel()
             raise
         finally:
-            for future in wrapped:  # read in `_collect`; marked retrieved so asyncio does not log them
-                if future.done() and not future.cancelled():
-                    future.exception()
+            for future in wrapped:  # read in `_collect` or never (the task cancelled): asyncio must not log them
+                future.add_done_callback(_retrieved)
         return self._collect()
 
     def with_draft(self, draft: Callable[[], Drafted]) -> tuple[Drafted, LoadedMedia[Any]]:

@@ -6,6 +6,7 @@ event loop (the server)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable
 
@@ -63,6 +64,7 @@ def test_with_readable_media_the_prompts_error_is_given(pool, waits_on):
     media = HeldMedia(seconds=0.1)
 
     def draft() -> str:
+        assert media.started.wait(5)
         raise DecisionError("However, your prompt contains at least 21 input tokens")
 
     with pytest.raises(DecisionError, match="at least 21 input tokens"):
@@ -86,3 +88,36 @@ def test_a_fault_in_the_draft_stops_the_requests_media_at_once(pool, waits_on):
     while pool.running and time.monotonic() - start < 5:
         time.sleep(0.01)
     assert pool.running == 0 and time.monotonic() - start < 5
+
+
+def test_stopping_a_requests_media_twice_counts_its_queued_job_out_once(pool):
+    """The pool's queue depth (/ready, /metrics) stays right when a load is stopped by its waiter and again by its
+    request (a timeout, then the client gone)."""
+    busy = [HeldMedia(seconds=30) for _ in range(pool.workers)]
+    held = [pool.begin(media, request=None) for media in busy]  # every media thread taken
+    queued = pool.begin(HeldMedia(seconds=30), request=None)
+    assert pool.queued == 1
+    queued.cancel()
+    queued.cancel()
+    assert pool.queued == 0
+    for load in held:
+        load.cancel()
+
+
+def test_a_cancelled_wait_on_the_event_loop_leaves_no_unread_error(pool, caplog):
+    """A request whose wait for its media is cancelled (the client left) while a job still runs: the job ends with
+    the request's error later, and asyncio has nothing to complain of."""
+    media = HeldMedia(seconds=30)
+
+    async def leave_while_loading():
+        waiting = asyncio.ensure_future(pool.begin(media, request=None).result_async())
+        await asyncio.to_thread(media.started.wait, 5)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await asyncio.to_thread(media.stopped.wait, 5)
+        while pool.running:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(leave_while_loading())
+    gc.collect()
+    assert "never retrieved" not in caplog.text
