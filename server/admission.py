@@ -25,22 +25,19 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-POLL_S = 0.05  # how often a waiting request looks at its deadline and its client
 
-
-async def watch(work: Awaitable[T], deadline: Deadline, disconnected: Callable[[], Awaitable[bool]]) -> T:
-    """`work`'s result, unless the deadline passes (`TimedOut`) or the client leaves (`ClientGone`) first; then the
-    deadline is cancelled (what the request holds stops) and `work` is cancelled."""
+async def watch(work: Awaitable[T], deadline: Deadline, gone: asyncio.Future[object]) -> T:
+    """`work`'s result, unless the deadline passes (`TimedOut`) or `gone` completes (the client left: `ClientGone`)
+    first; then the deadline is cancelled (what the request holds stops) and `work` is cancelled. All three are
+    awaited, not polled, so a waiting request costs the event loop nothing until one of them happens."""
     task = asyncio.ensure_future(work)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=min(POLL_S, deadline.remaining()))
-            if done:
-                return task.result()
-            if await disconnected():
-                raise ClientGone()
-            if deadline.expired():
-                raise deadline.error()
+        done, _ = await asyncio.wait({task, gone}, timeout=deadline.timeout(), return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        if gone in done:
+            raise ClientGone()
+        raise deadline.error()
     finally:
         if not task.done():
             deadline.cancel()
@@ -81,8 +78,7 @@ class Admission:
             self.running -= 1
             self._slots.release()
 
-    async def run(self, work: Callable[[], Awaitable[T]], deadline: Deadline,
-                  disconnected: Callable[[], Awaitable[bool]]) -> T:
+    async def run(self, work: Callable[[], Awaitable[T]], deadline: Deadline, gone: asyncio.Future[object]) -> T:
         """Run `work` in a slot within the request's deadline while the client stays connected; when either
         ends first, the deadline is cancelled (the scheduler drops the request's rows and stops a graph call that
         served only it) and the slot is given back."""
@@ -90,4 +86,4 @@ class Admission:
             async with self.slot():
                 return await work()
 
-        return await watch(in_slot(), deadline, disconnected)
+        return await watch(in_slot(), deadline, gone)
