@@ -94,14 +94,17 @@ def test_stopping_a_requests_media_twice_counts_its_queued_job_out_once(pool):
     """The pool's queue depth (/ready, /metrics) stays right when a load is stopped by its waiter and again by its
     request (a timeout, then the client gone)."""
     busy = [HeldMedia(seconds=30) for _ in range(pool.workers)]
-    held = [pool.begin(media, request=None) for media in busy]  # every media thread taken
-    queued = pool.begin(HeldMedia(seconds=30), request=None)
-    assert pool.queued == 1
-    queued.cancel()
-    queued.cancel()
-    assert pool.queued == 0
-    for load in held:
-        load.cancel()
+    held = [pool.begin(media, request=None) for media in busy]
+    try:
+        assert all(media.started.wait(5) for media in busy)  # every media thread taken
+        queued = pool.begin(HeldMedia(seconds=30), request=None)
+        assert pool.queued == 1
+        queued.cancel()
+        queued.cancel()
+        assert pool.queued == 0
+    finally:
+        for load in held:
+            load.cancel()
 
 
 def test_a_cancelled_wait_on_the_event_loop_leaves_no_unread_error(pool, caplog):
