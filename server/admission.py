@@ -25,7 +25,6 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-
 async def watch(work: Awaitable[T], deadline: Deadline, gone: asyncio.Future[object]) -> T:
     """`work`'s result, unless the deadline passes (`TimedOut`) or `gone` completes (the client left: `ClientGone`)
     first; then the deadline is cancelled (what the request holds stops) and `work` is cancelled. All three are

@@ -49,26 +49,27 @@ def test_the_prompts_are_drafted_while_the_media_load(pool, waits_on):
     assert prompts == "prompts" and loaded.items == {"photo": "photo"}
 
 
+def prompt_too_long(media: HeldMedia) -> Callable[[], str]:
+    """A draft that fails on the request (its prompt too long for the model) once `media`'s job is loading."""
+    def draft() -> str:
+        assert media.started.wait(5)
+        raise DecisionError("However, your prompt contains at least 21 input tokens")
+    return draft
+
+
 @pytest.mark.parametrize("waits_on", WAYS)
 def test_a_media_error_wins_over_the_prompts_error(pool, waits_on):
     """Spec 1.3 step 8: the image is read before the prompt is checked, so its error is the one given."""
-    def draft() -> str:
-        raise DecisionError("However, your prompt contains at least 21 input tokens")
-
+    media = HeldMedia(seconds=0.1, error="not an image")
     with pytest.raises(MediaError, match="images\\[0\\]: not an image"):
-        drafted(pool.begin(HeldMedia(seconds=0.1, error="not an image"), request=None), draft, waits_on)
+        drafted(pool.begin(media, request=None), prompt_too_long(media), waits_on)
 
 
 @pytest.mark.parametrize("waits_on", WAYS)
 def test_with_readable_media_the_prompts_error_is_given(pool, waits_on):
     media = HeldMedia(seconds=0.1)
-
-    def draft() -> str:
-        assert media.started.wait(5)
-        raise DecisionError("However, your prompt contains at least 21 input tokens")
-
     with pytest.raises(DecisionError, match="at least 21 input tokens"):
-        drafted(pool.begin(media, request=None), draft, waits_on)
+        drafted(pool.begin(media, request=None), prompt_too_long(media), waits_on)
     assert not media.stopped.is_set()  # waited for to its end, not stopped
 
 
