@@ -11,7 +11,6 @@ request (`images[1]`); only the request's own deadline is a 503.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import http.client
 import ipaddress
@@ -22,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import SplitResult, urljoin, urlsplit
+
+import pybase64
 
 from ..models.errors import TimedOut, Unavailable
 from .deadline import Deadline
@@ -123,10 +124,17 @@ def _data_url(url: str, where: str, limit: int) -> bytes:
         raise MediaError(where, "Only base64 data URLs are supported for now.")
     if len(payload) > (limit * 4) // 3 + 4:
         raise MediaTooLarge(where, f"data URL is larger than the {limit}-byte limit (--max-media-bytes)")
+    return base64_bytes(payload, where, "data URL")
+
+
+def base64_bytes(payload: str, where: str, what: str) -> bytes:
+    """Strict base64 as vLLM reads it (pybase64; docs/spec.md, 6.1's table of media errors): no character outside
+    the alphabet, no padding past the last group (the standard library's strict mode accepts extra `=`). Its SIMD
+    decoder reads the 3.2 MB data URL of a 1024x1024 PNG in 0.2 ms; the standard library's took 6.7 (two cores)."""
     try:
-        return base64.b64decode(payload, validate=True)
+        return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise MediaError(where, f"invalid base64 in data URL: {exc}") from None
+        raise MediaError(where, f"invalid base64 in {what}: {exc}") from None
 
 
 def _local_file(url: str, where: str, policy: FetchPolicy) -> bytes:

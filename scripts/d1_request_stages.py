@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from systemone.bench import percentile_ms, timed
 from systemone.export.d1.answer_parity import sixteen_questions
@@ -86,8 +85,8 @@ def image_stages(service: DecisionService, baseline: GraphSession | None, portab
     for fmt, data in files.items():
         print(f"decode ({fmt}, {len(data) / 1e6:.2f} MB)", median_ms(lambda: decode_image(data, "image")))
     rgb = decode_image(files["PNG"], "image")
-    capped = np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)
-    print("cap", median_ms(lambda: np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)))
+    capped = cap_pixels(rgb)
+    print("cap", median_ms(lambda: cap_pixels(rgb)))
     image = lfm2_image(capped, encoder.config)
     print("lfm2_image", median_ms(lambda: lfm2_image(capped, encoder.config)), [c.grid for c in image.crops])
     print("vision rows, all crops", median_ms(lambda: encoder.rows(image, None)))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (see ../shared/device/README.md), in steps of one warm lease (each under the 10-minute
-# limit of one call; the checkpoint and artifact stay in ~/work between them):
+# limit of one call; the checkpoint and artifact stay in ~/work between them). The runtime needs pybase64, which
+# the machine lacks: carry its wheel in .device/wheels (the list in gpu_serve_bench.sh).
 #   bash scripts/gpu_bench.sh checkpoint SIZE MODE      build a random-init checkpoint of SIZE (d3-* or d1-3B; MODE, the
 #                                                       d3 attention mode, is ignored for d1) and say what the machine has
 #   bash scripts/gpu_bench.sh export SIZE MODE          the same checkpoint (built if missing), exported (portable)

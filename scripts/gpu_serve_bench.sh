@@ -2,11 +2,12 @@
 # On the lent GPU machine, after `bash scripts/gpu_bench.sh export SIZE MODE` in the same warm lease: our server
 # and the reference server (transformers eager bf16, one question at a time) on the same GPU, then the seeds' mix
 # at 1, 8 and 64 closed-loop clients against each (`systemone bench --serve`).
-# The machine has no fastapi/uvicorn/pydantic: gather their wheels here first, once:
+# The machine has no fastapi/uvicorn/pydantic (nor pybase64, which the runtime needs everywhere): gather their
+# wheels here first, once:
 #   ../shared/device/prepare.sh fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
 #     uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 annotated-types==0.8.0 typing-inspection==0.4.5 click==8.5.1 \
 #     zstandard==0.25.0 opentelemetry-api==1.45.2 annotated-doc==0.0.7 typing_extensions==4.16.0 httptools==0.9.0 \
-#     uvloop==0.23.0
+#     uvloop==0.23.0 pybase64==1.5.1
 #   bash scripts/gpu_serve_bench.sh SIZE MODE [SECONDS]
 # SERVE_ARGS: more `systemone serve` flags (e.g. "--gpu-memory 6"); REFERENCE=0: our server alone; TAG: a suffix for
 # the result files. Each run reports the most GPU memory each server process and the device held (nvidia-smi).

@@ -39,6 +39,8 @@ def test_base64_data_urls_are_read():
     ("data:image/png;base64AAAA", "Invalid data URL 'data:image/png;base64AAAA': missing ',' separator."),
     ("data:image/png,AAAA", "Only base64 data URLs are supported for now."),
     ("data:image/png;base64,@@@", "invalid base64 in data URL"),
+    ("data:image/png;base64,QUJD\nRA==", "invalid base64 in data URL"),  # strict: no line breaks
+    ("data:image/png;base64,QUJD====", "invalid base64 in data URL"),  # nor padding past the last group
     ("ftp://x/y.png", "The URL must be either a HTTP, data or file URL."),
     ("/etc/passwd", "The URL must be either a HTTP, data or file URL."),
     ("file:///etc/passwd", "Cannot load local files without `--allowed-local-media-path`."),

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from ...models.family import Readout
 from ...models.questions import Read, first_argmax
@@ -68,7 +67,7 @@ def torch_pixels(service: DecisionService, body: dict[str, Any]) -> dict[str, np
     images = []
     for i, url in enumerate(body.get("images") or ()):
         rgb = decode_image(fetch(url, f"images[{i}]", "image", media.policy), f"images[{i}]")
-        images.append(lfm2_image(np.asarray(cap_pixels(Image.fromarray(rgb))), media.config))
+        images.append(lfm2_image(cap_pixels(rgb), media.config))
     return model_pixels(images)
 
 

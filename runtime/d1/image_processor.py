@@ -167,16 +167,17 @@ class Lfm2Image:
         return self.thumbnail_tokens
 
 
-def cap_pixels(image: Image.Image, max_pixels: int = MAX_PIXELS) -> Image.Image:
-    """vLLM's d1 cap (spec 3.8 step 2): an image of more than `max_pixels` pixels is scaled by
+def cap_pixels(rgb: np.ndarray, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """vLLM's d1 cap (spec 3.8 step 2) on uint8 [H, W, 3]: an image of more than `max_pixels` pixels is scaled by
     s = sqrt(max_pixels / (w·h)) to (max(1, int(w·s)), max(1, int(h·s))) with Pillow BICUBIC; smaller images are
-    returned unchanged. E.g. 2000×1000 → 1448×724, 1920×1080 → 1365×768, 1025×1024 → 1024×1023."""
-    width, height = image.size
+    returned as they are, not copied (a 1024x1024 image's two copies through Pillow took 1.2 ms). E.g. 2000×1000 →
+    1448×724, 1920×1080 → 1365×768, 1025×1024 → 1024×1023."""
+    height, width = rgb.shape[:2]
     if width * height <= max_pixels:
-        return image
+        return rgb
     scale = math.sqrt(max_pixels / (width * height))
     size = (max(1, int(width * scale)), max(1, int(height * scale)))
-    return image.resize(size, Image.Resampling.BICUBIC)
+    return np.asarray(Image.fromarray(rgb).resize(size, Image.Resampling.BICUBIC), dtype=np.uint8)
 
 
 def _round_by_factor(number: float, factor: int) -> int:

@@ -9,7 +9,6 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from ...models.errors import DecisionError
 from ...models.request import DecisionRequest
@@ -52,7 +51,7 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
                  workers: PixelWorkers) -> Lfm2Image:
         data = fetch(str(key), where, "image", self.policy, deadline, allowance)
         rgb = decode_image(data, where, allowance=allowance)
-        capped = np.asarray(cap_pixels(Image.fromarray(rgb)), dtype=np.uint8)
+        capped = cap_pixels(rgb)
         try:
             # The resizes and patches in the pixel workers: in threads here, the GIL held them back (the H200's
             # d1 mix at 8 clients: a photo's loading went from 0.14 s alone to 0.4-1.5 s; docs/gpu.md, eighteenth run).

@@ -7,8 +7,6 @@ with the reference (spec 8 Q15).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import math
 import os
 import tempfile
@@ -23,7 +21,7 @@ from ..deadline import Deadline
 from ..image_transform import put_normalized, resize_bicubic, rows_shape
 from ..media_decode import MAX_IMAGE_PIXELS, decode_image
 from ..media_allowance import MediaAllowance, MediaBudget
-from ..media_fetch import MediaError, MediaTooLarge
+from ..media_fetch import MediaError, MediaTooLarge, base64_bytes
 from ..pixel_workers import PixelWorkers, fill_here
 from .frame_plan import Step, plan_reads, sequential_reads
 
@@ -61,10 +59,7 @@ def _jpeg_frames(url: str, where: str, allowance: MediaAllowance, pool: Executor
                                    "reads (--max-jpeg-video-frames)")
 
     def frame(index: int) -> np.ndarray:
-        try:
-            data = base64.b64decode(parts[index], validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise MediaError(where, f"invalid base64 in video frame {index}: {exc}") from None
+        data = base64_bytes(parts[index], where, f"video frame {index}")
         return decode_image(data, f"{where}: frame {index}", allowance=allowance)
 
     frames = tuple((pool.map if pool is not None else map)(frame, range(len(parts))))
