@@ -1,10 +1,11 @@
 """Where the time of one seeds'-mix image request and one video request goes, stage by stage: the load generator's
 own bodies (systemone/loadgen.py: request 3 is its first image, a 1280x960 photo with 4 questions; request 4 its
 first video, 20 JPEG frames of 1280x720 in a `data:video/jpeg` URL, 1 question) through the functions the server
-calls, each stage timed on its own, with ARTIFACT's graphs on --device. The `load` row is the media encoder's own
-`load_one` (fetch, decode and preprocess in one call, as the media pool runs it): the stages above it should add up
-to it. --mp4 adds the same 20 frames as a 10 s, 30 fps MPEG-4 file (what a client more often sends): the container
-is demuxed once to find the keyframes, then the sampled frames are decoded.
+calls, each stage timed on its own, with ARTIFACT's graphs on --device (`body`: its memory bound, JSON parse and
+check, and the request's validation). The `load` row is the media encoder's own `load_one` (fetch, decode and
+preprocess in one call, as the media pool runs it): the stages above it should add up to it. --mp4 adds the same
+20 frames as a 10 s, 30 fps MPEG-4 file (what a client more often sends): the container is demuxed once to find
+the keyframes, then the sampled frames are decoded.
 
 Median (min) milliseconds of --repeats runs after one warm-up run; the machine's other load shows in the medians.
 The process runs as the server's does: glibc's allocator as `systemone serve` sets it (server/allocator.py; or
@@ -83,11 +84,12 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
     from systemone.runtime.media_allowance import MediaAllowance
     from systemone.runtime.media_decode import decode_image
     from systemone.runtime.media_encoder import LoadedMedia
-    from systemone.runtime.media_fetch import fetch
+    from systemone.runtime.media_fetch import base64_bytes, fetch
     from systemone.server.body import parse_json
+    from systemone.server.body_memory import parsed_size_bound
 
     engine, encoder = service.engine, service.engine.media
-    request, questions = watch.time("body", lambda: service.validate(parse_json(raw)))
+    request, questions = watch.time("body", lambda: (parsed_size_bound(raw), service.validate(parse_json(raw)))[1])
     (key, where), = encoder.jobs(request)
     kind, url = key
     temporal = encoder.temporal
@@ -99,7 +101,7 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
                                                                encoder.mean, encoder.std, *_image_pixels(), pixels))
     else:
         if url[:16].lower().startswith("data:video/jpeg"):
-            parts = watch.time("fetch", lambda: [base64.b64decode(p, validate=True) for p in url.split(",")[1:]])
+            parts = watch.time("fetch", lambda: [base64_bytes(p, where, "frame") for p in url.split(",")[1:]])
             frames = watch.time("frame decode", lambda: [decode_image(p, where) for p in parts])
         else:
             data = watch.time("fetch", lambda: fetch(url, where, kind, encoder.policy))

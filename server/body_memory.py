@@ -29,7 +29,8 @@ def parsed_size_bound(raw: bytes) -> int:
     """An upper bound on the memory that reading `raw` holds at its peak: the bytes, their decoded text, the parsed
     document and the body check (server/body.py). A string's characters take one byte each in Python when the body
     is ASCII with no \\u escape, otherwise up to four."""
-    wide = 1 if raw.isascii() and b"\\u" not in raw else 4
+    # No backslash, no \u escape: one byte is found by memchr (searching the two took 2.9 ms on a 3.2 MB data URL).
+    wide = 1 if raw.isascii() and (b"\\" not in raw or b"\\u" not in raw) else 4
     return len(raw) * (1 + 2 * wide) + sum(raw.count(byte) * cost for byte, cost in COST_AFTER.items()) + FIXED_COST
 
 
