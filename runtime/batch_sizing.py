@@ -4,12 +4,13 @@ Batching pays where the device has parallel work to spare (a GPU) and costs wher
 two CPU cores: one question alone took 7.8 ms, 16.2 ms a question in a batch of 16). So the scheduler does not
 guess: the text graph is timed at 1, 2, 4, ... rows of a typical length, and the largest batch whose time a
 question is within timing noise of the best one is kept. Where the time a question is flat, the larger batch wins
-though it gains no questions/s: a call that may take more rows leaves fewer rows waiting for a later call. In a
-closed loop of N clients with calls of at most N rows, a request waits for at most two calls (the one running and
-its own), which between them hold at most N rows; calls of N/2 rows make one in each missed call wait a third
-(d3-nano on the H200, 64 clients: 1.21-1.23 ms a question at 32 rows, 1.18-1.19 at 64, where a gain of 5% was asked
-before 64 was kept; its p99 crossed 100 ms in the runs where requests missed a call). The same timings give the call's cost model (a fixed part and a part per
-padded token), by which an engine groups one request's rows of different lengths into calls (`BatchBudget.plan`).
+though it gains no questions/s: a call that may take more rows leaves fewer rows waiting for a later one. In a
+closed loop of N clients with calls of up to N rows, a request waits for at most two calls (the one running and its
+own), which hold at most N rows between them; with calls of N/2 rows, a request that misses one waits a third
+(d3-nano on the H200: 1.21-1.23 ms a question at 32 rows and 1.18-1.19 at 64, where the rule before asked 5% more
+questions/s of 64 and kept 32; at 64 clients its p99 crossed 100 ms in the runs where requests missed a call).
+The same timings give the call's cost model (a fixed part and a part per padded token), by which an engine groups
+one request's rows of different lengths into calls (`BatchBudget.plan`).
 Under a bounded arena (--gpu-memory) the measurement stops at the largest batch the arena holds.
 """
 
