@@ -16,8 +16,8 @@ Requests arrive prepared (checked, media loaded, prompts tokenized). In the engi
   cannot hold back a one-question request that arrives after it, and a stream of new requests cannot hold back
   the later rows of one already waiting. The first row in that order anchors the call; later ones join it while
   it has fewer than `batch_rows` rows, their lengths stay within FILL of its longest (padding costs as much as real
-  tokens) and it fits the engine's budget (padded tokens and attention memory). While the call could take more rows, it waits up to `batch_wait_s` after
-  its rows became ready for other requests' rows to arrive.
+  tokens) and it fits the engine's budget (padded tokens and attention memory). While the call could take more
+  rows, it waits up to `batch_wait_s` after its rows became ready for other requests' rows to arrive.
 
 A request is answered when its last row returns. A call or vision job the device memory (--gpu-memory) cannot
 hold runs again in smaller parts, and only a request whose own row or media does not fit alone fails (a 503). A

@@ -89,7 +89,12 @@ def run_once(service: Any, raw: bytes, watch: Stopwatch) -> dict[str, Any]:
     from systemone.server.body_memory import parsed_size_bound
 
     engine, encoder = service.engine, service.engine.media
-    request, questions = watch.time("body", lambda: (parsed_size_bound(raw), service.validate(parse_json(raw)))[1])
+
+    def body() -> tuple[Any, Any]:
+        parsed_size_bound(raw)  # the server charges the body this bound before it parses it
+        return service.validate(parse_json(raw))
+
+    request, questions = watch.time("body", body)
     (key, where), = encoder.jobs(request)
     kind, url = key
     temporal = encoder.temporal
