@@ -51,3 +51,8 @@ class MediaAllowance:
                                            "of this request (--max-request-media-bytes)")
             if keep:
                 self.download_bytes += count
+
+    def give_back_bytes(self, count: int) -> None:
+        """Uncount bytes taken for a body that was then cut short (its URL may be tried again)."""
+        with self._lock:
+            self.download_bytes -= count

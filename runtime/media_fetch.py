@@ -5,8 +5,11 @@ loopback, link-local or otherwise non-public addresses are refused unless allowe
 address are judged by that address), checked on the address actually connected to and again on every redirect;
 optional exact-hostname allow-list; a download cap. Each http(s) fetch has an overall deadline (name resolution,
 connect, headers and body together: --image-fetch-timeout, --video-fetch-timeout) within the request's, and stops at
-once when its request is abandoned. Every failure is a 4xx `MediaError` whose message names the URL's place in the
-request (`images[1]`); only the request's own deadline is a 503.
+once when its request is abandoned. A failure worth another try (HTTP 5xx, a connection refused or cut, a name
+lookup that failed for now) is tried again after 1 s, then 4 s, as vLLM does, while the request has the time; a
+fetch that ran out of its own time is not (docs/spec.md 6.1, "Ours"). Every failure is a 4xx
+`MediaError` whose message names the URL's place in the request (`images[1]`); only the request's own deadline is a
+503.
 """
 
 from __future__ import annotations
@@ -68,8 +71,22 @@ class FetchPolicy:
     image_timeout_s: float = 5.0  # a whole image fetch (connect, headers, body), as vLLM's VLLM_IMAGE_FETCH_TIMEOUT
     video_timeout_s: float = 30.0  # a whole video fetch, as VLLM_VIDEO_FETCH_TIMEOUT
     max_bytes: int = 256 << 20
+    attempts: int = 3  # tries of a URL whose failure is worth another (vLLM's VLLM_MEDIA_FETCH_MAX_RETRIES)
+    retry_pause_s: float = 1.0  # before the second try; each later pause is four times the one before (vLLM's)
     resolver: Callable[[str, int], list[str]] = system_resolver  # host, port -> addresses
     lookups: LookupSlots = field(default_factory=LookupSlots, compare=False)  # the resolver's threads, bounded
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts: must be at least 1, got {self.attempts}")
+
+
+class _Transient(MediaUnreadable):
+    """A failed try that another may get past: HTTP 5xx, a connection refused or cut, a lookup failed for now."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(where, reason)
+        self.reason = reason
 
 
 def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -217,8 +234,8 @@ def _resolve(host: str, port: int, where: str, policy: FetchPolicy, fetch_deadli
     fetch_deadline.check()
     error = answer.get("error")
     if isinstance(error, (socket.gaierror, UnicodeError)):
-        raise MediaUnreadable(where, f"Failed to fetch media from URL: cannot resolve host {host!r} ({error})"
-                              ) from None
+        failure = _Transient if getattr(error, "errno", None) == socket.EAI_AGAIN else MediaUnreadable
+        raise failure(where, f"Failed to fetch media from URL: cannot resolve host {host!r} ({error})") from None
     if error is not None:
         raise error
     return answer["addresses"]
@@ -243,23 +260,33 @@ def _read_body(response: http.client.HTTPResponse, limit: int, where: str,
     length over either cap is refused before the body is read; otherwise no read asks for more than one byte past
     what the URL's cap and the request's budget still allow."""
     length = response.getheader("Content-Length")
-    if length and length.isdigit():
-        if int(length) > limit:
+    declared = int(length) if length and length.isdigit() else None
+    if declared is not None:
+        if declared > limit:
             raise _too_large(where, limit)
         if allowance is not None:
-            allowance.take_bytes(int(length), where, keep=False)
-    parts, size = [], 0
-    while True:
-        room = limit - size if allowance is None else min(limit - size, allowance.bytes_left())
-        chunk = response.read1(min(READ_CHUNK, max(room, 0) + 1))
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(where, limit)
-        if allowance is not None:
-            allowance.take_bytes(len(chunk), where)
-        parts.append(chunk)
+            allowance.take_bytes(declared, where, keep=False)
+    parts, size, taken = [], 0, 0
+    try:
+        while True:
+            room = limit - size if allowance is None else min(limit - size, allowance.bytes_left())
+            chunk = response.read1(min(READ_CHUNK, max(room, 0) + 1))
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(where, limit)
+            if allowance is not None:
+                allowance.take_bytes(len(chunk), where)
+                taken += len(chunk)
+            parts.append(chunk)
+        if declared is not None and size < declared:  # http.client ends such a body quietly
+            raise _Transient(where, f"Failed to fetch media from URL: the connection closed after {size:,} of "
+                                    f"{declared:,} bytes")
+    except BaseException:
+        if allowance is not None:  # a body cut short is not downloaded: a retry's bytes count once
+            allowance.give_back_bytes(taken)
+        raise
     return b"".join(parts)
 
 
@@ -295,21 +322,59 @@ def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline,
                     raise MediaError(where, "redirected to a URL that is not http(s)")
                 continue
             if response.status >= 400:
-                raise MediaUnreadable(where, f"Failed to fetch media from URL: HTTP {response.status} error")
+                failure = _Transient if response.status >= 500 else MediaUnreadable  # 408, 429: not tried again
+                raise failure(where, f"Failed to fetch media from URL: HTTP {response.status} error")
             data = _read_body(response, policy.max_bytes, where, allowance)
             fetch_deadline.check()  # a body cut short by the deadline is not an answer
             return data
+        except _Transient:
+            fetch_deadline.check()  # a body cut short by the deadline: its time is up, not worth another try
+            raise
         except (OSError, http.client.HTTPException) as exc:
             fetch_deadline.check()
-            raise MediaUnreadable(where, f"Failed to fetch media from URL: {type(exc).__name__}: {exc}") from None
+            # A certificate that does not verify, or a socket's own timeout, will be the same on the next try.
+            failure = (MediaUnreadable if isinstance(exc, (ssl.SSLCertVerificationError, TimeoutError))
+                       else _Transient)
+            raise failure(where, f"Failed to fetch media from URL: {type(exc).__name__}: {exc}") from None
         finally:
             unregister()
             connection.close()
     raise MediaUnreadable(where, f"Failed to fetch media from URL: more than {MAX_REDIRECTS} redirects")
 
 
+def _pause(seconds: float, deadline: Deadline) -> None:
+    """Wait `seconds`, or until the request is abandoned (then `TimedOut`)."""
+    woken = threading.Event()
+    unregister = deadline.on_cancel(woken.set)
+    try:
+        woken.wait(seconds)
+    finally:
+        unregister()
+    deadline.check()
+
+
 def _http(url: str, where: str, total_s: float, flag: str, policy: FetchPolicy, deadline: Deadline,
           allowance: MediaAllowance | None = None) -> bytes:
+    """GET, tried again after a `_Transient` failure while tries are left and the request's deadline is past the
+    pause. A try that runs out of its time is not tried again: each try has the whole `total_s`, and another would
+    hold a media worker that long again."""
+    attempt = 1
+    while True:
+        try:
+            return _try(url, where, total_s, flag, policy, deadline, allowance)
+        except _Transient as failure:
+            pause = policy.retry_pause_s * 4 ** (attempt - 1)
+            if attempt == policy.attempts or deadline.remaining() <= pause:
+                if attempt == 1:
+                    raise
+                raise MediaUnreadable(where, f"{failure.reason} ({attempt} tries, --media-fetch-attempts)"
+                                      ) from None
+        _pause(pause, deadline)
+        attempt += 1
+
+
+def _try(url: str, where: str, total_s: float, flag: str, policy: FetchPolicy, deadline: Deadline,
+         allowance: MediaAllowance | None = None) -> bytes:
     """GET within `total_s` (connect, redirects, headers, body), or less if the request's deadline is nearer."""
     deadline.check()
     fetch_deadline = Deadline(min(total_s, deadline.remaining()))

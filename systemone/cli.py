@@ -46,7 +46,8 @@ def _service(args: argparse.Namespace):
         allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
         allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
         allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes,
-        image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout)
+        image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout,
+        attempts=args.media_fetch_attempts)
     options = EngineOptions(device=args.device, max_model_len=args.max_model_len,
                             max_batch_tokens=args.max_batch_tokens, fetch_policy=policy,
                             form=args.form, gpu_memory=_gib_bytes(args.gpu_memory),
@@ -287,6 +288,9 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--image-fetch-timeout", type=float, default=5.0,
                        help="seconds a whole image fetch may take (connect, headers, body; 422 after)")
     media.add_argument("--video-fetch-timeout", type=float, default=30.0, help="the same for a video")
+    media.add_argument("--media-fetch-attempts", type=_positive_int, default=3,
+                       help="tries of a media URL whose failure may pass (HTTP 5xx, a connection refused or cut): "
+                            "1 s, then 4 s apart, within the request's time; a try that times out is not repeated")
     media.add_argument("--media-workers", type=int, default=8,
                        help="threads that fetch and decode media, shared by all requests")
     media.add_argument("--media-processes", type=int, default=None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 from collections import Counter
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -73,18 +74,37 @@ test_images.__test__ = False  # a helper, not a test
 
 class CountingServer:
     """Serves `files` on 127.0.0.1, counts GETs per path; `redirects` maps a path to a Location; `declare_length`
-    False sends bodies without a Content-Length."""
+    False sends bodies without a Content-Length. `failures` maps a path to what its first GETs get, one each: a
+    status (an empty body), "drop" (the connection closed, no response), "short" (half the body, then closed) or
+    "stall" (nothing for a second)."""
 
     def __init__(self, files: dict[str, bytes], redirects: dict[str, str] | None = None, host: str = "127.0.0.1",
-                 declare_length: bool = True):
+                 declare_length: bool = True, failures: dict[str, list[int | str]] | None = None):
         self.files, self.redirects, self.gets = files, redirects or {}, Counter()
+        self.failures = {path: list(each) for path, each in (failures or {}).items()}
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 path = self.path.lstrip("/")
                 outer.gets[path] += 1
-                if path in outer.redirects:
+                failure = outer.failures[path].pop(0) if outer.failures.get(path) else None
+                if failure in ("drop", "stall"):
+                    if failure == "stall":
+                        time.sleep(1.0)
+                    self.close_connection = True
+                elif failure == "short":
+                    body = outer.files[path]
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body[:len(body) // 2])
+                    self.close_connection = True
+                elif failure is not None:
+                    self.send_response(failure)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif path in outer.redirects:
                     self.send_response(302)
                     self.send_header("Location", outer.redirects[path])
                     self.end_headers()

@@ -114,3 +114,21 @@ def test_every_json_example_is_real(service):
             response = client.post("/v1/systemone", json={"model": "nope", "state": None,
                                                            "questions": {"q": {"type": "noul"}}})
             assert response.json() == example, where
+
+
+@pytest.mark.parametrize("command, table", [("serve", "## Server flags"), ("export", "## Export flags")])
+def test_every_flag_has_a_row_in_docs_cli(command, table):
+    """docs/cli.md's table of a command's flags names each of them, with the default the parser has (`--debug`, which
+    every command takes, is said once at the top)."""
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    rows = text.split(table, 1)[1].split("\n## ", 1)[0]
+    documented = {match.group(1).split()[0]: match.group(2).strip()
+                  for match in re.finditer(r"^\| `(--[^`]+)` \| ([^|]*) \|", rows, re.M)}
+    flags = {action.option_strings[-1]: action.default for action in parser._actions
+             if action.option_strings and action.option_strings[-1] not in ("--help", "--debug")}
+    assert sorted(set(flags) - set(documented)) == []
+    for flag, default in flags.items():
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            number = re.match(r"[0-9.]+", documented[flag])
+            assert number and float(number.group()) == default, (flag, documented[flag], default)

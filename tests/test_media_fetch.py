@@ -94,11 +94,102 @@ def test_allowed_domains_are_exact_and_rechecked_on_redirect():
 
 def test_http_errors_and_unreachable_hosts_are_422():
     server = CountingServer({})
-    policy = FetchPolicy(allow_private_hosts=True)
+    policy = FetchPolicy(allow_private_hosts=True, retry_pause_s=0.01)
     with server.running():
         assert "HTTP 404 error" in refused(f"{server.url}/missing.png", policy, status=422)
     assert "Failed to fetch media" in refused(server.url + "/gone.png", policy, status=422)
     assert "cannot resolve host" in refused("http://no-such-host.invalid/a.png", policy, status=422)
+
+
+# -- a failure worth another try (spec 6.1; docs/spec.md 6.1, "Ours") -------------------------------------------------
+def retrying(attempts: int = 3, pause_s: float = 0.05, **more) -> FetchPolicy:
+    return FetchPolicy(allow_private_hosts=True, attempts=attempts, retry_pause_s=pause_s, **more)
+
+
+@pytest.mark.parametrize("failures", [[503, 500], ["drop", "drop"], ["short", 502]])
+def test_a_5xx_or_a_connection_cut_is_tried_again_after_pauses_growing_fourfold(failures):
+    server = CountingServer({"a.png": PNG}, failures={"a.png": failures})
+    with server.running():
+        start = time.monotonic()
+        assert fetch(f"{server.url}/a.png", "images[0]", "image", retrying()) == PNG
+        seconds = time.monotonic() - start
+    assert server.gets["a.png"] == 3
+    assert seconds >= 0.05 + 0.2
+
+
+def test_a_url_that_keeps_failing_is_a_422_naming_its_tries():
+    server = CountingServer({"a.png": PNG}, failures={"a.png": [500] * 5})
+    with server.running():
+        message = refused(f"{server.url}/a.png", retrying(pause_s=0.01), status=422)
+    assert message == ("media: images[2]: Failed to fetch media from URL: HTTP 500 error "
+                       "(3 tries, --media-fetch-attempts)")
+    assert server.gets["a.png"] == 3
+
+
+@pytest.mark.parametrize("status", [404, 408, 429])
+def test_other_4xx_and_vllms_two_exceptions_408_and_429_are_not_tried_again(status):
+    server = CountingServer({"a.png": PNG}, failures={"a.png": [status]})
+    with server.running():
+        assert refused(f"{server.url}/a.png", retrying(), status=422).endswith(f"HTTP {status} error")
+    assert server.gets["a.png"] == 1
+
+
+def test_a_try_that_runs_out_of_its_time_is_not_repeated():
+    """Each try has the whole --image-fetch-timeout: another would hold a media worker that long again."""
+    server = CountingServer({"a.png": PNG}, failures={"a.png": ["stall"]})
+    with server.running():
+        message = refused(f"{server.url}/a.png", retrying(image_timeout_s=0.3), status=422)
+    assert message.endswith("not done within 0.3 s (--image-fetch-timeout)") and server.gets["a.png"] == 1
+
+
+def test_one_try_when_attempts_is_one():
+    server = CountingServer({"a.png": PNG}, failures={"a.png": [503]})
+    with server.running():
+        assert refused(f"{server.url}/a.png", retrying(attempts=1), status=422).endswith("HTTP 503 error")
+    assert server.gets["a.png"] == 1
+    with pytest.raises(ValueError, match="attempts: must be at least 1, got 0"):
+        FetchPolicy(attempts=0)
+
+
+def test_no_pause_runs_past_the_requests_deadline():
+    """A pause of 1 s with 0.5 s left: the failure is answered at once (422), not the request's timeout (503)."""
+    server = CountingServer({"a.png": PNG}, failures={"a.png": [503] * 3})
+    with server.running():
+        start = time.monotonic()
+        with pytest.raises(MediaError) as info:
+            fetch(f"{server.url}/a.png", "images[0]", "image", retrying(pause_s=1.0), Deadline(0.5))
+        assert time.monotonic() - start < 0.4
+    assert http_status(info.value)[0] == 422 and info.value.message.endswith("HTTP 503 error")
+    assert server.gets["a.png"] == 1
+
+
+def test_an_abandoned_request_ends_its_pause_at_once():
+    server = CountingServer({"a.png": PNG}, failures={"a.png": [503]})
+    deadline = Deadline(60)
+    with server.running():
+        threading.Timer(0.3, deadline.cancel).start()
+        start = time.monotonic()
+        with pytest.raises(TimedOut):
+            fetch(f"{server.url}/a.png", "images[0]", "image", retrying(pause_s=10.0), deadline)
+        assert time.monotonic() - start < 1.5
+    assert server.gets["a.png"] == 1
+
+
+def test_a_body_cut_short_is_tried_again_and_counts_once_against_the_download_budget():
+    body = bytes(range(256)) * 1000
+    server = CountingServer({"a.bin": body}, failures={"a.bin": ["short"]})
+    allowance = MediaAllowance(MediaBudget(download_bytes=len(body) + 10))
+    with server.running():
+        assert fetch(f"{server.url}/a.bin", "images[0]", "image", retrying(), allowance=allowance) == body
+    assert server.gets["a.bin"] == 2 and allowance.download_bytes == len(body)
+
+
+def test_a_body_cut_short_is_never_taken_as_whole():
+    body = bytes(range(256)) * 1000
+    server = CountingServer({"a.bin": body}, failures={"a.bin": ["short"]})
+    with server.running():
+        message = refused(f"{server.url}/a.bin", retrying(attempts=1), status=422)
+    assert message.endswith("the connection closed after 128,000 of 256,000 bytes")
 
 
 def test_downloads_over_the_cap_are_413(tmp_path):
