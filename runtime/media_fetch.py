@@ -31,6 +31,7 @@ from ..models.errors import TimedOut, Unavailable
 from .deadline import Deadline
 from .media_allowance import MediaAllowance
 from .media_errors import MediaError, MediaTooLarge, MediaUnreadable  # noqa: F401 - callers import them from here too
+from .media_proxy import MediaProxy, ProxySettings
 
 USER_AGENT = "systemone-onnx"
 MAX_REDIRECTS = 5
@@ -73,6 +74,7 @@ class FetchPolicy:
     max_bytes: int = 256 << 20
     attempts: int = 3  # tries of a URL whose failure is worth another (vLLM's VLLM_MEDIA_FETCH_MAX_RETRIES)
     retry_pause_s: float = 1.0  # before the second try; each later pause is four times the one before (vLLM's)
+    proxies: ProxySettings = field(default_factory=ProxySettings)  # none unless given (the CLI reads the environment)
     resolver: Callable[[str, int], list[str]] = system_resolver  # host, port -> addresses
     lookups: LookupSlots = field(default_factory=LookupSlots, compare=False)  # the resolver's threads, bounded
 
@@ -194,6 +196,9 @@ class _PinnedHTTPConnection(http.client.HTTPConnection):
 
 
 class _PinnedHTTPSConnection(http.client.HTTPSConnection):
+    """The same over TLS; through a proxy (`set_tunnel`), `host` and `address` are the proxy's and the TLS session is
+    the URL host's, inside the proxy's CONNECT tunnel."""
+
     def __init__(self, host: str, address: str, port: int, timeout: float):
         super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
         self._address = address
@@ -201,7 +206,10 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
     def connect(self) -> None:
         raw = socket.create_connection((self._address, self.port), self.timeout)
         self._connected = raw  # shut down under TLS, so a read blocked in the TLS layer wakes too
-        self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
+        self.sock = raw
+        if self._tunnel_host:
+            self._tunnel()
+        self.sock = self._context.wrap_socket(raw, server_hostname=self._tunnel_host or self.host)
 
     def abort(self) -> None:
         if getattr(self, "_connected", None) is not None:
@@ -254,6 +262,49 @@ def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy, fetch
     return addresses[0]
 
 
+def _vet_proxied_host(host: str, where: str, policy: FetchPolicy) -> None:
+    """What can be judged of a host the proxy resolves: an IP literal by its address, `localhost` by its name."""
+    if policy.allow_private_hosts:
+        return
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        if host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost"):
+            raise MediaError(where, f"host {host!r} is a loopback name; such hosts are refused unless "
+                                    "--allow-private-media-hosts") from None
+        return
+    if not _public(str(address)):
+        raise MediaError(where, f"host {host!r} is a non-public address; such hosts are refused unless "
+                                "--allow-private-media-hosts")
+
+
+def _connection(parts: SplitResult, host: str, port: int, where: str, policy: FetchPolicy, fetch_deadline: Deadline,
+                proxy: MediaProxy | None) -> tuple[http.client.HTTPConnection, str, dict[str, str]]:
+    """The connection for one hop, the request target and the headers to send. Directly: to the host's vetted
+    address. Through a proxy: an http URL is asked of the proxy by its absolute form, an https one through a CONNECT
+    tunnel. Each socket operation waits at most what is left of the fetch's deadline."""
+    timeout = fetch_deadline.bound(fetch_deadline.seconds)
+    target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
+    headers = {"User-Agent": USER_AGENT, "Accept": "*/*"}
+    if proxy is None:
+        address = _vetted_address(host, port, where, policy, fetch_deadline)
+        connection_class = _PinnedHTTPSConnection if parts.scheme == "https" else _PinnedHTTPConnection
+        return connection_class(host, address, port, timeout), target, headers
+    _vet_proxied_host(host, where, policy)
+    try:  # the operator's proxy: its address is not vetted, and not named to the client
+        address = _resolve(proxy.host, proxy.port, where, policy, fetch_deadline)[0]
+    except MediaUnreadable as exc:
+        failure = _Transient if isinstance(exc, _Transient) else MediaUnreadable
+        raise failure(where, "Failed to fetch media from URL: the server's proxy cannot be resolved") from None
+    if parts.scheme == "https":
+        connection = _PinnedHTTPSConnection(proxy.host, address, proxy.port, timeout)
+        connection.set_tunnel(host, port, headers=proxy.headers())
+        return connection, target, headers
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port != 80 else "")
+    absolute = f"http://{netloc}{target}"
+    return _PinnedHTTPConnection(proxy.host, address, proxy.port, timeout), absolute, headers | proxy.headers()
+
+
 def _read_body(response: http.client.HTTPResponse, limit: int, where: str,
                allowance: MediaAllowance | None = None) -> bytes:
     """The body in chunks as they come (read1), so a fetch cut off by its deadline returns at once. A declared
@@ -301,17 +352,14 @@ def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline,
             raise MediaError(where, f"The URL must be from one of the allowed domains: "
                                     f"{sorted(policy.allowed_domains)}. Input URL domain: {host}")
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        address = _vetted_address(host, port, where, policy, fetch_deadline)
-        connection_class = _PinnedHTTPSConnection if parts.scheme == "https" else _PinnedHTTPConnection
-        # Each socket operation waits at most what is left of the fetch's deadline; the deadline's cancel (its
-        # timer, or the request abandoned) shuts the socket down, so a server that drips bytes cannot hold on.
-        connection = connection_class(host, address, port, fetch_deadline.bound(fetch_deadline.seconds))
+        proxy = policy.proxies.for_url(parts.scheme, host)
+        via = " (through the server's proxy)" if proxy else ""  # not its address: clients read this
+        connection, target, headers = _connection(parts, host, port, where, policy, fetch_deadline, proxy)
+        # The deadline's cancel (its timer, or the request abandoned) shuts the socket down, so a server that drips
+        # bytes cannot hold on.
         unregister = fetch_deadline.on_cancel(connection.abort)
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
         try:
-            connection.request("GET", target, headers={"User-Agent": USER_AGENT, "Accept": "*/*"})
+            connection.request("GET", target, headers=headers)
             response = connection.getresponse()
             if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
                 try:
@@ -323,7 +371,7 @@ def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline,
                 continue
             if response.status >= 400:
                 failure = _Transient if response.status >= 500 else MediaUnreadable  # 408, 429: not tried again
-                raise failure(where, f"Failed to fetch media from URL: HTTP {response.status} error")
+                raise failure(where, f"Failed to fetch media from URL: HTTP {response.status} error{via}")
             data = _read_body(response, policy.max_bytes, where, allowance)
             fetch_deadline.check()  # a body cut short by the deadline is not an answer
             return data
@@ -333,13 +381,21 @@ def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline,
         except (OSError, http.client.HTTPException) as exc:
             fetch_deadline.check()
             # A certificate that does not verify, or a socket's own timeout, will be the same on the next try.
+            # So will a proxy's refusal of the tunnel, unless it is its 5xx.
             failure = (MediaUnreadable if isinstance(exc, (ssl.SSLCertVerificationError, TimeoutError))
-                       else _Transient)
-            raise failure(where, f"Failed to fetch media from URL: {type(exc).__name__}: {exc}") from None
+                       or _refused_tunnel(exc) else _Transient)
+            raise failure(where, f"Failed to fetch media from URL: {type(exc).__name__}: {exc}{via}") from None
         finally:
             unregister()
             connection.close()
     raise MediaUnreadable(where, f"Failed to fetch media from URL: more than {MAX_REDIRECTS} redirects")
+
+
+def _refused_tunnel(exc: Exception) -> bool:
+    """http.client's error for a CONNECT the proxy answered with a status other than 200 below 500."""
+    words = str(exc).split()
+    return (str(exc).startswith("Tunnel connection failed: ") and len(words) > 3 and words[3].isdigit()
+            and int(words[3]) < 500)
 
 
 def _pause(seconds: float, deadline: Deadline) -> None:

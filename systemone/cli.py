@@ -11,11 +11,14 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .runtime.batch import MAX_BATCH_TOKENS
 from .runtime.devices import DEVICES, NO_ONNXRUNTIME
+
+if TYPE_CHECKING:
+    from .runtime.media_fetch import FetchPolicy
 
 API_KEY_ENV = "SYSTEMONE_API_KEY"
 
@@ -34,22 +37,29 @@ def _load_request(path: str) -> Any:
         raise UserError(f"request file {path!r} is not valid JSON: {exc}") from None
 
 
-def _service(args: argparse.Namespace):
-    from .runtime.artifact import Artifact
-    from .runtime.media_allowance import MediaBudget
+def fetch_policy(args: argparse.Namespace, environ: Mapping[str, str]) -> FetchPolicy:
+    """The media flags as a FetchPolicy; the proxy from `environ` unless --no-media-proxy."""
     from .runtime.media_fetch import FetchPolicy
-    from .runtime.engine import EngineOptions
-    from .runtime.pixel_workers import default_processes
-    from .runtime.service import DEFAULT_ALIASES, DecisionService, MediaLimits
+    from .runtime.media_proxy import ProxySettings
 
-    policy = FetchPolicy(
+    return FetchPolicy(
         allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
         allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
         allow_private_hosts=args.allow_private_media_hosts, max_bytes=args.max_media_bytes,
         image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout,
-        attempts=args.media_fetch_attempts)
+        attempts=args.media_fetch_attempts,
+        proxies=ProxySettings() if args.no_media_proxy else ProxySettings.from_environment(environ))
+
+
+def _service(args: argparse.Namespace):
+    from .runtime.artifact import Artifact
+    from .runtime.media_allowance import MediaBudget
+    from .runtime.engine import EngineOptions
+    from .runtime.pixel_workers import default_processes
+    from .runtime.service import DEFAULT_ALIASES, DecisionService, MediaLimits
+
     options = EngineOptions(device=args.device, max_model_len=args.max_model_len,
-                            max_batch_tokens=args.max_batch_tokens, fetch_policy=policy,
+                            max_batch_tokens=args.max_batch_tokens, fetch_policy=fetch_policy(args, os.environ),
                             form=args.form, gpu_memory=_gib_bytes(args.gpu_memory),
                             cuda_graphs=not args.no_cuda_graphs)
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
@@ -174,6 +184,8 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
                        ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),
                        ("cuda graphs", service.cuda_graphs),
                        ("media", service.media_pool.describe()),
+                       ("proxy", fetch_policy(args, os.environ).proxies.describe()
+                        or "none: media URLs are fetched directly" + (" (--no-media-proxy)" * args.no_media_proxy)),
                        ("max model len", str(service.max_model_len)),
                        ("batch tokens", f"{service.engine.budget.max_batch_tokens} padded tokens a call at most"),
                        ("address", f"http://{args.host}:{args.port}/v1/systemone")):
@@ -291,6 +303,9 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--media-fetch-attempts", type=_positive_int, default=3,
                        help="tries of a media URL whose failure may pass (HTTP 5xx, a connection refused or cut): "
                             "1 s, then 4 s apart, within the request's time; a try that times out is not repeated")
+    media.add_argument("--no-media-proxy", action="store_true",
+                       help="fetch media URLs directly even where http_proxy, https_proxy or all_proxy is set "
+                            "(by default they are honoured, and no_proxy too)")
     media.add_argument("--media-workers", type=int, default=8,
                        help="threads that fetch and decode media, shared by all requests")
     media.add_argument("--media-processes", type=int, default=None,

@@ -1,16 +1,23 @@
-"""Test media: deterministic images in several encodings, data URLs, a loopback HTTP server that counts GETs, and a
-media encoder whose one job is held until stopped."""
+"""Test media: deterministic images in several encodings, data URLs, a loopback HTTP(S) server that counts GETs, a
+forward proxy, and a media encoder whose one job is held until stopped."""
 
 from __future__ import annotations
 
 import base64
+import http.client
 import io
+import select
+import socket
+import ssl
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 from PIL import Image
@@ -72,6 +79,17 @@ def test_images() -> dict[str, bytes]:
 test_images.__test__ = False  # a helper, not a test
 
 
+@contextmanager
+def serving(server: ThreadingHTTPServer) -> Iterator[None]:
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 class CountingServer:
     """Serves `files` on 127.0.0.1, counts GETs per path; `redirects` maps a path to a Location; `declare_length`
     False sends bodies without a Content-Length. `failures` maps a path to what its first GETs get, one each: a
@@ -79,7 +97,8 @@ class CountingServer:
     "stall" (nothing for a second)."""
 
     def __init__(self, files: dict[str, bytes], redirects: dict[str, str] | None = None, host: str = "127.0.0.1",
-                 declare_length: bool = True, failures: dict[str, list[int | str]] | None = None):
+                 declare_length: bool = True, failures: dict[str, list[int | str]] | None = None,
+                 tls: bool = False):
         self.files, self.redirects, self.gets = files, redirects or {}, Counter()
         self.failures = {path: list(each) for path, each in (failures or {}).items()}
         outer = self
@@ -123,17 +142,86 @@ class CountingServer:
                 pass
 
         self.server = ThreadingHTTPServer((host, 0), Handler)
-        self.url = f"http://{host}:{self.server.server_address[1]}"
+        if tls:  # as media.example, with the certificate TLS_CERTIFICATE holds
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(TLS_DIR / "media.example.crt", TLS_DIR / "media.example.key")
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.server.server_address[1]}"
 
     @contextmanager
     def running(self):
-        thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        thread.start()
-        try:
+        with serving(self.server):
             yield self
-        finally:
-            self.server.shutdown()
-            self.server.server_close()
+
+
+TLS_DIR = Path(__file__).parent / "fixtures" / "tls"
+TLS_CERTIFICATE = TLS_DIR / "media.example.crt"  # self-signed for media.example, valid to 2126: SSL_CERT_FILE in tests
+
+
+class ForwardProxy:
+    """An HTTP proxy on loopback: GET by absolute URL (relayed with its status and body) and CONNECT tunnels. Each
+    request's first line and Proxy-Authorization are kept in `seen`; `hosts` maps names to the addresses it connects
+    to (it resolves them, not the client); `password` set: anything else is a 407."""
+
+    def __init__(self, hosts: dict[str, str] | None = None, password: str | None = None):
+        self.hosts, self.password, self.seen = hosts or {}, password, []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _admitted(self) -> bool:
+                outer.seen.append((self.requestline, self.headers.get("Proxy-Authorization")))
+                expected = "Basic " + base64.b64encode(f"user:{outer.password}".encode()).decode()
+                if outer.password is not None and self.headers.get("Proxy-Authorization") != expected:
+                    self.send_response(407)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return False
+                return True
+
+            def do_GET(self):  # noqa: N802
+                if not self._admitted():
+                    return
+                parts = urlsplit(self.path)
+                upstream = http.client.HTTPConnection(outer.hosts.get(parts.hostname, parts.hostname), parts.port,
+                                                      timeout=5)
+                upstream.request("GET", parts.path or "/", headers={"Host": parts.netloc})
+                response = upstream.getresponse()
+                body = response.read()
+                self.send_response(response.status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                upstream.close()
+
+            def do_CONNECT(self):  # noqa: N802
+                if not self._admitted():
+                    return
+                host, port = self.path.rsplit(":", 1)
+                with socket.create_connection((outer.hosts.get(host, host), int(port)), timeout=5) as upstream:
+                    self.send_response(200, "Connection established")
+                    self.end_headers()
+                    sockets = [self.connection, upstream]
+                    while True:
+                        readable, _, _ = select.select(sockets, [], [], 5)
+                        if not readable:
+                            break
+                        for sock in readable:
+                            data = sock.recv(65536)
+                            if not data:
+                                self.close_connection = True
+                                return
+                            (upstream if sock is self.connection else self.connection).sendall(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+
+    @contextmanager
+    def running(self):
+        with serving(self.server):
+            yield self
 
 
 def write_video(path, frames: int, fps: float, width: int, height: int, codec: str = "mp4v") -> bytes:

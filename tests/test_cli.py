@@ -110,6 +110,34 @@ def test_serve_prints_what_it_serves(capsys, d3_artifact, monkeypatch):
     assert summary["address"] == "http://127.0.0.1:8123/v1/systemone"
 
 
+@pytest.mark.parametrize(("environ", "flags", "said"), [
+    ({}, (), "none: media URLs are fetched directly"),
+    ({"HTTPS_PROXY": "http://user:pw@proxy.example:3128", "no_proxy": "localhost"}, (),
+     "media fetches through http://proxy.example:3128 (https URLs), not for localhost"),
+    ({"all_proxy": "socks5://proxy.example:1080"}, ("--no-media-proxy",),
+     "none: media URLs are fetched directly (--no-media-proxy)")])
+def test_serve_says_which_proxy_media_fetches_take_never_its_password(capsys, d3_artifact, monkeypatch, environ,
+                                                                      flags, said):
+    import uvicorn
+
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    code, out, _ = run(capsys, "serve", str(d3_artifact), "--device", "cpu", *flags)
+    assert code == 0
+    assert f"systemone serve: proxy         {said}\n" in out and "pw" not in out
+
+
+def test_a_proxy_serve_cannot_use_stops_it_naming_the_variable_and_the_way_out(capsys, d3_artifact, monkeypatch):
+    monkeypatch.setenv("all_proxy", "socks5://proxy.example:1080")
+    code, _, err = run(capsys, "serve", str(d3_artifact), "--device", "cpu")
+    assert_one_line_error(code, err, "all_proxy: a socks5:// proxy is not supported for media fetches, only http:// "
+                                     "(or pass --no-media-proxy)")
+
+
 @pytest.mark.parametrize(("flags", "access_log"), [((), False), (("--access-log",), True)])
 def test_uvicorns_access_log_is_off_unless_asked(capsys, d3_artifact, monkeypatch, flags, access_log):
     """Each decision request is logged once, by the server; uvicorn's access line repeated it on the event loop."""

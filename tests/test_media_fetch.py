@@ -16,8 +16,9 @@ from systemone.runtime.deadline import Deadline
 from systemone.runtime.media_allowance import MediaAllowance, MediaBudget
 from systemone.runtime.media_decode import decode_image
 from systemone.runtime.media_fetch import FetchPolicy, MediaError, fetch
+from systemone.runtime.media_proxy import ProxySettings
 from systemone.server.errors import http_status
-from tests.media_helpers import CountingServer, test_images
+from tests.media_helpers import TLS_CERTIFICATE, CountingServer, ForwardProxy, test_images
 
 PNG = test_images()["tiny-50x50.png"]
 
@@ -353,3 +354,85 @@ def test_the_resolvers_answer_is_vetted_and_connected_to():
         assert fetch(f"{named}/a.png", "i", "image", FetchPolicy(allow_private_hosts=True,
                                                                   resolver=slow_resolver(0.1))) == PNG
     assert server.gets == {"a.png": 1}
+
+
+# -- through the environment's proxy (runtime/media_proxy.py) --------------------------------------------------------
+def proxy_policy(proxy: ForwardProxy, environ: dict[str, str] | None = None, **more) -> FetchPolicy:
+    """Both schemes through `proxy`; a resolver that knows only the proxy's address, so a name the client tried to
+    resolve itself would fail."""
+    def resolve(host: str, port: int) -> list[str]:
+        assert host == "127.0.0.1", f"the client resolved {host!r} itself"
+        return [host]
+    environ = environ or {"http_proxy": proxy.address, "HTTPS_PROXY": f"http://{proxy.address}"}
+    return FetchPolicy(proxies=ProxySettings.from_environment(environ), resolver=resolve, **more)
+
+
+def test_an_http_url_is_asked_of_the_proxy_which_resolves_its_host():
+    origin = CountingServer({"a.png": PNG})
+    port = origin.server.server_address[1]
+    with origin.running(), ForwardProxy({"media.example": "127.0.0.1"}).running() as proxy:
+        assert fetch(f"http://media.example:{port}/a.png?v=1", "images[0]", "image", proxy_policy(proxy)) == PNG
+    assert proxy.seen == [(f"GET http://media.example:{port}/a.png?v=1 HTTP/1.1", None)]
+
+
+def test_an_https_url_goes_through_a_connect_tunnel_and_its_certificate_is_checked(monkeypatch):
+    monkeypatch.setenv("SSL_CERT_FILE", str(TLS_CERTIFICATE))  # the test's own authority for media.example
+    origin = CountingServer({"a.png": PNG}, tls=True)
+    port = origin.server.server_address[1]
+    with origin.running(), ForwardProxy({"media.example": "127.0.0.1", "other.example": "127.0.0.1"}
+                                        ).running() as proxy:
+        assert fetch(f"https://media.example:{port}/a.png", "images[0]", "image", proxy_policy(proxy)) == PNG
+        message = refused(f"https://other.example:{port}/a.png", proxy_policy(proxy), status=422)
+    assert [line for line, _ in proxy.seen] == [f"CONNECT media.example:{port} HTTP/1.0",
+                                                f"CONNECT other.example:{port} HTTP/1.0"]
+    assert "SSLCertVerificationError" in message and "(through the server's proxy)" in message
+    assert origin.gets["a.png"] == 1
+
+
+def test_the_proxy_urls_credentials_are_sent_and_never_shown():
+    origin = CountingServer({"a.png": PNG})
+    port = origin.server.server_address[1]
+    expected = "Basic " + base64.b64encode(b"user:s3cret").decode()
+    with origin.running(), ForwardProxy({"media.example": "127.0.0.1"}, password="s3cret").running() as proxy:
+        good = proxy_policy(proxy, {"all_proxy": f"http://user:s3cret@{proxy.address}"})
+        assert fetch(f"http://media.example:{port}/a.png", "images[0]", "image", good) == PNG
+        wrong = proxy_policy(proxy, {"all_proxy": f"http://user:wrong@{proxy.address}"}, retry_pause_s=0.01)
+        messages = [refused(f"{scheme}://media.example:{port}/a.png", wrong, status=422) for scheme in ("http", "https")]
+        assert "s3cret" not in repr(good) and "wrong" not in str(wrong.proxies.http)
+    assert proxy.seen[0] == (f"GET http://media.example:{port}/a.png HTTP/1.1", expected)
+    assert messages[0].endswith("HTTP 407 error (through the server's proxy)")
+    assert "Tunnel connection failed: 407" in messages[1]
+    assert len(proxy.seen) == 3  # a 407 is not tried again
+    assert not any("wrong" in m or proxy.address in m for m in messages)
+
+
+def test_no_proxy_hosts_are_fetched_directly_and_vetted_as_ever():
+    with ForwardProxy().running() as proxy:
+        policy = FetchPolicy(proxies=ProxySettings.from_environment({"http_proxy": proxy.address,
+                                                                     "NO_PROXY": "internal.example,.corp"}),
+                             resolver=slow_resolver(0))
+        assert "non-public address (127.0.0.1)" in refused("http://internal.example/a.png", policy)
+        assert "non-public address (127.0.0.1)" in refused("http://images.corp/a.png", policy)
+    assert proxy.seen == []
+
+
+@pytest.mark.parametrize("host, message", [("127.0.0.1", "non-public address"), ("[::1]", "non-public address"),
+                                           ("10.0.0.8", "non-public address"), ("localhost", "loopback name"),
+                                           ("api.localhost", "loopback name")])
+def test_private_ip_literals_and_localhost_are_refused_before_the_proxy(host, message):
+    with ForwardProxy().running() as proxy:
+        assert message in refused(f"http://{host}:8080/a.png", proxy_policy(proxy))
+    assert proxy.seen == []
+
+
+def test_proxy_settings_are_read_as_curl_reads_them():
+    settings = ProxySettings.from_environment({"HTTP_PROXY": "upper:1", "http_proxy": "lower:2",
+                                               "ALL_PROXY": "http://all:3", "no_proxy": "a.example"})
+    assert (str(settings.http), str(settings.https)) == ("http://lower:2", "http://all:3")
+    assert settings.for_url("http", "a.example") is None and settings.for_url("http", "b.a.example") is None
+    assert str(settings.for_url("http", "b.example")) == "http://lower:2"
+    assert settings.describe() == ("media fetches through http://lower:2 (http URLs); http://all:3 (https URLs), not "
+                                   "for a.example")
+    assert ProxySettings.from_environment({}).describe() is None
+    with pytest.raises(ValueError, match=r"all_proxy: a socks5:// proxy is not supported .* --no-media-proxy"):
+        ProxySettings.from_environment({"all_proxy": "socks5://proxy:1080"})
