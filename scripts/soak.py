@@ -152,7 +152,8 @@ def main() -> int:
     port = free_port()
     kinds = attacks(port, media, drip_url)
     base = f"http://127.0.0.1:{port}"
-    server = start_server(serve_command(args.artifact, port, "--allow-private-media-hosts",
+    # Its media servers are on loopback: fetched directly, whatever proxy the environment names.
+    server = start_server(serve_command(args.artifact, port, "--allow-private-media-hosts", "--no-media-proxy",
                                         "--allowed-local-media-path", str(media), "--log-level", "warning"),
                           base, 300, stdout=subprocess.DEVNULL, stderr=open(media / "server.log", "wb"))
     try:
