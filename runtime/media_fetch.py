@@ -209,7 +209,8 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
         self.sock = raw
         if self._tunnel_host:
             self._tunnel()
-        self.sock = self._context.wrap_socket(raw, server_hostname=self._tunnel_host or self.host)
+        # Python 3.11 keeps an IPv6 tunnel host in brackets (3.12 does not); TLS takes it bare.
+        self.sock = self._context.wrap_socket(raw, server_hostname=(self._tunnel_host or self.host).strip("[]"))
 
     def abort(self) -> None:
         if getattr(self, "_connected", None) is not None:
@@ -263,17 +264,22 @@ def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy, fetch
 
 
 def _vet_proxied_host(host: str, where: str, policy: FetchPolicy) -> None:
-    """What can be judged of a host the proxy resolves: an IP literal by its address, `localhost` by its name."""
+    """What can be judged of a host the proxy resolves: an IP literal by its address (the legacy IPv4 forms too,
+    `127.1` or `2130706433`, which a proxy's resolver may read as addresses), `localhost` by its name."""
     if policy.allow_private_hosts:
         return
+    name = host.lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        raise MediaError(where, f"host {host!r} is a loopback name; such hosts are refused unless "
+                                "--allow-private-media-hosts")
     try:
-        address = ipaddress.ip_address(host)
+        address = str(ipaddress.ip_address(host))
     except ValueError:
-        if host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost"):
-            raise MediaError(where, f"host {host!r} is a loopback name; such hosts are refused unless "
-                                    "--allow-private-media-hosts") from None
-        return
-    if not _public(str(address)):
+        try:
+            address = socket.inet_ntoa(socket.inet_aton(host))
+        except (OSError, UnicodeError, ValueError):
+            return  # a name: the proxy's to resolve
+    if not _public(address):
         raise MediaError(where, f"host {host!r} is a non-public address; such hosts are refused unless "
                                 "--allow-private-media-hosts")
 
@@ -298,7 +304,7 @@ def _connection(parts: SplitResult, host: str, port: int, where: str, policy: Fe
         raise failure(where, "Failed to fetch media from URL: the server's proxy cannot be resolved") from None
     if parts.scheme == "https":
         connection = _PinnedHTTPSConnection(proxy.host, address, proxy.port, timeout)
-        connection.set_tunnel(host, port, headers=proxy.headers())
+        connection.set_tunnel(f"[{host}]" if ":" in host else host, port, headers=proxy.headers())
         return connection, target, headers
     netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port != 80 else "")
     absolute = f"http://{netloc}{target}"

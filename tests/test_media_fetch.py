@@ -418,7 +418,9 @@ def test_no_proxy_hosts_are_fetched_directly_and_vetted_as_ever():
 
 @pytest.mark.parametrize("host, message", [("127.0.0.1", "non-public address"), ("[::1]", "non-public address"),
                                            ("10.0.0.8", "non-public address"), ("localhost", "loopback name"),
-                                           ("api.localhost", "loopback name")])
+                                           ("api.localhost", "loopback name"), ("127.1", "non-public address"),
+                                           ("2130706433", "non-public address"),
+                                           ("0x7f000001", "non-public address")])
 def test_private_ip_literals_and_localhost_are_refused_before_the_proxy(host, message):
     with ForwardProxy().running() as proxy:
         assert message in refused(f"http://{host}:8080/a.png", proxy_policy(proxy))
