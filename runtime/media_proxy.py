@@ -4,7 +4,7 @@ curl and requests read it: `http_proxy` / `https_proxy` (or upper case; lower ca
 
 Behind a proxy the proxy resolves a URL's host and connects to it, so the server cannot see the address a name
 reaches: it still refuses hosts given as private or loopback IP literals and `localhost` names unless private hosts
-are allowed; `--allowed-media-domains` is the way to bound the rest (docs/spec.md, decision 6).
+are allowed; `--allowed-media-domains` is the way to bound the rest (docs/spec.md 6.1).
 """
 
 from __future__ import annotations
