@@ -129,6 +129,25 @@ def test_one_fetch_and_one_vision_pass_per_media(d3_artifact, tmp_path):
     assert prompt.token_ids.count(service.artifact.tokenizer.token_id("<|image_pad|>")) == 2 * 300
 
 
+def test_a_media_host_that_fails_for_a_moment_gets_the_answers_a_healthy_one_gets(d3_artifact, tmp_path):
+    """Spec 6.1: a 5xx and a connection cut are tried again; the request is answered as if they had not happened,
+    each item fetched until it loads and encoded once."""
+    video = write_video(tmp_path / "v.mp4", frames=40, fps=20.0, width=320, height=240)
+    files = {"a.png": IMAGES["vga-640x480.jpg"], "v.mp4": video}
+    healthy = CountingServer(files)
+    flaky = CountingServer(files, failures={"a.png": [503, "drop"], "v.mp4": ["short"]})
+    options = EngineOptions(device="cpu", fetch_policy=FetchPolicy(allow_private_hosts=True, retry_pause_s=0.02))
+    service = DecisionService(Artifact.load(d3_artifact), options)
+    answers = []
+    for server in (healthy, flaky):
+        with server.running():
+            body = {"state": "x", "images": [f"{server.url}/a.png"], "videos": [f"{server.url}/v.mp4"],
+                    "questions": {f"q{i}": QUESTIONS[i % len(QUESTIONS)] for i in range(3)}}
+            answers.append(service.decide(body)["answers"])
+    assert dict(flaky.gets) == {"a.png": 3, "v.mp4": 2} and dict(healthy.gets) == {"a.png": 1, "v.mp4": 1}
+    assert answers[1] == answers[0]
+
+
 def video_requests(tmp_path):
     """4 videos: different fps, lengths and sizes; one with an odd frame count; one as JPEG frames."""
     files = {"fast.mp4": write_video(tmp_path / "fast.mp4", frames=90, fps=30.0, width=640, height=360),
