@@ -258,9 +258,17 @@ def _vetted_address(host: str, port: int, where: str, policy: FetchPolicy, fetch
     if not policy.allow_private_hosts:
         refused = [a for a in addresses if not _public(a)]
         if refused:
-            raise MediaError(where, f"host {host!r} resolves to a non-public address ({refused[0]}); such hosts are "
-                                    "refused unless --allow-private-media-hosts")
+            raise _private_host(where, host, f"resolves to a non-public address ({refused[0]})")
     return addresses[0]
+
+
+def _private_host(where: str, host: str, why: str) -> MediaError:
+    return MediaError(where, f"host {host!r} {why}; such hosts are refused unless --allow-private-media-hosts")
+
+
+def _bracketed(host: str) -> str:
+    """A host as a URL or CONNECT line writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _vet_proxied_host(host: str, where: str, policy: FetchPolicy) -> None:
@@ -270,8 +278,7 @@ def _vet_proxied_host(host: str, where: str, policy: FetchPolicy) -> None:
         return
     name = host.lower().rstrip(".")
     if name == "localhost" or name.endswith(".localhost"):
-        raise MediaError(where, f"host {host!r} is a loopback name; such hosts are refused unless "
-                                "--allow-private-media-hosts")
+        raise _private_host(where, host, "is a loopback name")
     try:
         address = str(ipaddress.ip_address(host))
     except ValueError:
@@ -280,8 +287,7 @@ def _vet_proxied_host(host: str, where: str, policy: FetchPolicy) -> None:
         except (OSError, UnicodeError, ValueError):
             return  # a name: the proxy's to resolve
     if not _public(address):
-        raise MediaError(where, f"host {host!r} is a non-public address; such hosts are refused unless "
-                                "--allow-private-media-hosts")
+        raise _private_host(where, host, "is a non-public address")
 
 
 def _connection(parts: SplitResult, host: str, port: int, where: str, policy: FetchPolicy, fetch_deadline: Deadline,
@@ -304,9 +310,9 @@ def _connection(parts: SplitResult, host: str, port: int, where: str, policy: Fe
         raise failure(where, "Failed to fetch media from URL: the server's proxy cannot be resolved") from None
     if parts.scheme == "https":
         connection = _PinnedHTTPSConnection(proxy.host, address, proxy.port, timeout)
-        connection.set_tunnel(f"[{host}]" if ":" in host else host, port, headers=proxy.headers())
+        connection.set_tunnel(_bracketed(host), port, headers=proxy.headers())
         return connection, target, headers
-    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port != 80 else "")
+    netloc = _bracketed(host) + (f":{port}" if port != 80 else "")
     absolute = f"http://{netloc}{target}"
     return _PinnedHTTPConnection(proxy.host, address, proxy.port, timeout), absolute, headers | proxy.headers()
 

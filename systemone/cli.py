@@ -184,7 +184,7 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
                        ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),
                        ("cuda graphs", service.cuda_graphs),
                        ("media", service.media_pool.describe()),
-                       ("proxy", fetch_policy(args, os.environ).proxies.describe()
+                       ("proxy", service.engine.media.policy.proxies.describe()
                         or "none: media URLs are fetched directly" + (" (--no-media-proxy)" * args.no_media_proxy)),
                        ("max model len", str(service.max_model_len)),
                        ("batch tokens", f"{service.engine.budget.max_batch_tokens} padded tokens a call at most"),
