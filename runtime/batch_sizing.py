@@ -4,11 +4,14 @@ Batching pays where the device has parallel work to spare (a GPU) and costs wher
 two CPU cores: one question alone took 7.8 ms, 16.2 ms a question in a batch of 16). So the scheduler does not
 guess: the text graph is timed at 1, 2, 4, ... rows of a typical length, and the largest batch whose time a
 question is within timing noise of the best one is kept. Where the time a question is flat, the larger batch wins
-though it gains no questions/s: a call that may take more rows leaves fewer rows waiting for a later one. In a
-closed loop of N clients with calls of up to N rows, a request waits for at most two calls (the one running and its
-own), which hold at most N rows between them; with calls of N/2 rows, a request that misses one waits a third
-(d3-nano on the H200: 1.21-1.23 ms a question at 32 rows and 1.18-1.19 at 64, where the rule before asked 5% more
-questions/s of 64 and kept 32; at 64 clients its p99 crossed 100 ms in the runs where requests missed a call).
+though it gains no questions/s: fewer calls, each with its fixed part (on two CPU cores, 64 clients got 279-289
+requests/s with calls of 32 rows, 257-266 with 8; `scripts/results/batch_rows_rule_cpu_d3_tiny.txt`).
+Where the text graph's calls are captured as CUDA graphs, no batch larger than the largest captured one is tried:
+start-up times every size before the capture, uncaptured, and past the captured sizes that timing proved no guide.
+On the H200 (d3-nano, text-only requests from 64 clients, the twenty-second run) it timed 1.16-1.17 ms a question at
+64 rows and 1.18-1.19 at 32; served, calls of up to 64 rows got a p99 of 124-139 ms and 723-832 requests/s, calls of
+32 (captured) 81-112 ms and 819-839 requests/s, in four alternating runs each. With 64 the text lane stood idle 4-16%
+of the time (1-2% with 32): a call that takes every waiting row leaves the next one few ready.
 The same timings give the call's cost model (a fixed part and a part per padded token), by which an engine groups
 one request's rows of different lengths into calls (`BatchBudget.plan`).
 Under a bounded arena (--gpu-memory) the measurement stops at the largest batch the arena holds.
@@ -76,10 +79,12 @@ def fit_call_cost(seconds_by_tokens: dict[int, float]) -> CallCost | None:
 def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int = MOST_ROWS,
                        time_limit_s: float = TIME_LIMIT_S) -> BatchSizing:
     """The most rows a call whose time a question on `engine`'s device is within NOISE of the best measured (1 for
-    engines that run each request whole), at most as many as its arena (--gpu-memory) holds;
+    engines that run each request whole), at most as many as its arena (--gpu-memory) holds and, where its calls
+    are captured, as its largest captured call;
     `TooLittleDeviceMemory` if it holds not even one."""
     if not engine.shares_batches or engine.budget is None:
         return BatchSizing(1)
+    most = min(most, engine.captured_rows or most)
     length = min(length, engine.max_model_len)
     seconds: dict[int, float] = {}
     best, batch = 1, 1

@@ -121,6 +121,11 @@ class Engine(ABC):
         """One text-graph call over `rows` (of any requests, within `budget`); one readout per row, in order."""
         raise NotImplementedError(f"{type(self).__name__} runs each request whole")
 
+    @property
+    def captured_rows(self) -> int | None:
+        """The most rows a text-graph call replays as a CUDA graph (None: no call is captured)."""
+        return self.session.captured_rows
+
     def probe_row(self, length: int) -> TextRow:
         """A text-only row of `length` tokens, to time the text graph at start-up."""
         raise NotImplementedError(f"{type(self).__name__} runs each request whole")

@@ -158,6 +158,11 @@ class GraphSession:
                     f"({buckets.max_tokens} in all){left}")
         return f"off: capture refused ({self.capture_refused})" if self.capture_refused else "off"
 
+    @property
+    def captured_rows(self) -> int | None:
+        """The most rows a captured call holds (None where nothing is captured): a call of more runs uncaptured."""
+        return max(self.buckets.batches) if self.buckets is not None else None
+
     def capture_shape(self, batch: int, length: int) -> tuple[int, int] | None:
         """The captured (batch, length) bucket a run of `batch` rows of up to `length` tokens pads to, if any:
         none on a thread that does not replay (its runs are plain, and padding would only cost)."""
