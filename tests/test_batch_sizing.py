@@ -56,11 +56,11 @@ def rows_chosen(ms_a_question: dict[int, float], **engine) -> int:
 
 
 def test_a_flat_time_a_question_takes_the_larger_batch():
-    """d3-nano on the H200 (twenty-first run's start-up): 64 rows were 3% faster a question than 32, under the 5%
-    gain the rule before asked for. Larger calls leave fewer rows waiting for a later call."""
-    measured = {1: 11.33, 2: 5.01, 4: 2.50, 8: 1.53, 16: 1.31, 32: 1.22, 64: 1.18}
-    assert rows_chosen(measured) == 64
-    assert rows_chosen({**measured, 64: 1.25}) == 64  # 2% slower a question: within noise
+    """Where nothing is captured, a time a question flat within noise keeps the larger batch, for fewer calls:
+    on two CPU cores, 64 clients got more requests/s with calls of 32 rows than of 8, timed alike."""
+    timings = {1: 11.33, 2: 5.01, 4: 2.50, 8: 1.53, 16: 1.31, 32: 1.22, 64: 1.18}  # 64: 3% faster, under 5%
+    assert rows_chosen(timings) == 64
+    assert rows_chosen({**timings, 64: 1.25}) == 64  # 2% slower a question: within noise
 
 
 def test_batching_that_costs_throughput_is_not_used():
