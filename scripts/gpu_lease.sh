@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# One lease of the GPU machine (../shared/device/README.md) for both families, in as little device time as the
+# onnxruntime-gpu wheel's seven parts allow: the two portable exports, which need no GPU, run on the host's CPU
+# (with the machine's own CPU onnxruntime) while the parts are gathered; each family's CUDA form is added and gated
+# on the GPU as soon as the wheel is installed. The twenty-second run (docs/gpu.md) took 16 calls and about 1,510 s.
+#
+# The parts (40 MiB each) and the wheels (14 MiB) cannot travel in one call beside the tree (64 MiB): split the
+# wheels first, here, into .device/w0 (all but the two largest), .device/w1 (uvloop) and .device/w2 (zstandard).
+#   call 0      bash scripts/gpu_lease.sh start            carry .device/ort/part00 .device/w0
+#   calls 1-6   bash scripts/gpu_lease.sh gather K         carry .device/ort/part0K (and .device/wK for K = 1, 2);
+#                                                          K = 6 installs the wheel and the wheels into ~/site
+#   then        bash scripts/gpu_lease.sh wait SECONDS     until both families' forms are written (about 560 s
+#                                                          after start at d3-nano and d1-3B)
+#   then        bash scripts/gpu_lease.sh bench STEP...    d1stages d1bench d3text d3mix d1mix, one after another;
+#                                                          RUN and BTAG name the files of a repeated step
+# Between calls the machine stays warm for 30 s only: make them back to back. Results go to ~/res, and to $OUT as
+# one results.tgz (a call brings back at most 8 files).
+set -uo pipefail
+step="$1"; shift
+quiet() {
+  grep -v "falling back\|Writing model\|Loading weights\|torchvision\|UserWarning\|warnings.warn\|W:onnxruntime"
+}
+d3=~/work/d3-nano-noncausal_full_attention; d1=~/work/d1-3B--  # gpu_bench.sh's and gpu_serve_bench.sh's folders
+wheel=~/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
+
+chain() {  # SIZE MODE FORM: a random-init checkpoint, its portable export on the CPU, then its CUDA form
+  local size=$1 mode=$2 form=$3 work=~/work/$1-$2 t0
+  t0=$(date +%s)
+  stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+  cd ~ || return
+  export OMP_NUM_THREADS=8 PYTHONPATH=~/site0:~/pkg:~/repo  # two exports share the host's 16 cores
+  case $size in
+    d1*) python3 ~/repo/scripts/build_d1_checkpoint.py "$work/checkpoint" --size "$size" ;;
+    *) python3 ~/repo/scripts/build_d3_checkpoint.py "$work/checkpoint" --size "$size" --attention-mode "$mode" ;;
+  esac
+  stamp checkpoint built
+  python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --overwrite --portable-only 2>&1 | quiet
+  stamp portable export done
+  until [ -f ~/site/.ready ]; do sleep 2; done
+  export PYTHONPATH=~/site:~/pkg:~/repo
+  python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --add-forms --gate-device cuda \
+    --forms "$form" 2>&1 | quiet
+  stamp form written
+  touch "$work.done"
+}
+
+summary() {  # the runs of a `systemone bench --serve` result
+  python3 - "$1" <<'PY'
+import json, sys
+for name, r in json.load(open(sys.argv[1]))["runs"].items():
+    print("   ", name, {k: r.get(k) for k in ("requests_per_s", "p50_ms", "p99_ms", "answered", "non_200",
+                                           "gpu_memory_mib_peak")})
+PY
+}
+
+case $step in
+start)
+  mkdir -p ~/p ~/wheels ~/logs ~/work ~/res && cp .device/ort/part00 ~/p/ && cp .device/w0/*.whl ~/wheels/
+  python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site0 ~/wheels/*.whl
+  # The chains outlive this call and run through the next ones, whose checkouts replace this one: they read a copy.
+  rm -rf ~/repo && mkdir ~/repo && cp -r export runtime models server systemone scripts tests pyproject.toml ~/repo/
+  mkdir -p ~/pkg/systemone && cp ~/repo/systemone/*.py ~/pkg/systemone/
+  for d in export runtime models server; do ln -sfn ~/repo/$d ~/pkg/systemone/$d; done
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  export -f chain quiet
+  setsid nohup bash -c "chain d3-nano noncausal_full_attention cuda-fused-mixed" > ~/logs/d3.log 2>&1 < /dev/null &
+  setsid nohup bash -c "chain d1-3B - cuda-fused" > ~/logs/d1.log 2>&1 < /dev/null &
+  ;;
+gather)
+  k=$1
+  cp .device/ort/part0"$k" ~/p/ && { [ ! -d .device/w"$k" ] || cp .device/w"$k"/*.whl ~/wheels/; }
+  if [ "$k" = 6 ]; then
+    cat ~/p/part0? > "$wheel" && sha256sum "$wheel" && cat .device/ort/SHA256
+    python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site "$wheel" ~/wheels/*.whl
+    PYTHONPATH=~/site python3 -c "import onnxruntime as o; print(o.__version__, o.get_available_providers())" \
+      && touch ~/site/.ready
+  fi
+  tail -n 3 ~/logs/*.log
+  ;;
+wait)
+  end=$(( $(date +%s) + $1 ))
+  until { [ -f $d3.done ] && [ -f $d1.done ]; } || [ "$(date +%s)" -ge $end ]; do sleep 3; done
+  tail -n 12 ~/logs/*.log | cut -c1-300
+  ;;
+bench)
+  export PYTHONPATH=~/site:~/pkg:~/repo PYTHONUNBUFFERED=1
+  cd ~ || exit 1
+  for what in "$@"; do
+    t0=$(date +%s); echo "=== $what"
+    case $what in
+    d1stages)
+      python3 ~/repo/scripts/d1_request_stages.py $d1/artifact --device cuda --requests 10 2>&1 | quiet \
+        | tee ~/res/d1_request_stages.txt ;;
+    d1bench)
+      python3 -m systemone.cli bench $d1/checkpoint --artifact $d1/artifact --device cuda --forms cuda-fused \
+        --batches 1 --lengths 200 --repeats 5 --request-repeats 20 --torch-dtypes bfloat16 \
+        --out ~/res/d1_bench_"${BTAG:-a}".json 2>&1 | quiet | grep -v '^ \|^{\|^}' ;;
+    d3text)  # start-up's rows a call against --max-batch-rows 32, alternating
+      for i in 1 2; do
+        OUT=~/res bash ~/repo/scripts/event_loop_cost.sh $d3/artifact cuda "measured_${RUN:-a}$i" 12 | tail -1
+        grep "batch rows" ~/res/event_loop_serve.log | cut -c1-300
+        OUT=~/res bash ~/repo/scripts/event_loop_cost.sh $d3/artifact cuda "rows32_${RUN:-a}$i" 12 \
+          -- --max-batch-rows 32 | tail -1
+      done ;;
+    d3mix|d1mix)
+      size=$([ "$what" = d3mix ] && echo "d3-nano noncausal_full_attention" || echo "d1-3B -")
+      # shellcheck disable=SC2086  # two words: SIZE MODE
+      (cd ~/repo && OUT=~/res REFERENCE=0 TAG="${RUN:-lease}" bash scripts/gpu_serve_bench.sh $size 12 | tail -8)
+      for f in ~/res/serve_bench_{,text1_}"${size// /_}_${RUN:-lease}".json; do summary "$f"; done ;;
+    *) echo "unknown bench step $what" >&2 ;;
+    esac
+    echo "=== $what: $(( $(date +%s) - t0 )) s"
+  done
+  for w in $d3 $d1; do
+    [ ! -f "$w/artifact/manifest.json" ] || cp "$w/artifact/manifest.json" ~/res/manifest_"${w##*/}".json
+  done
+  tar czf "$OUT"/results.tgz -C ~/res . && ls ~/res
+  ;;
+*) echo "unknown step $step (start, gather K, wait SECONDS, bench STEP...)" >&2; exit 2 ;;
+esac
