@@ -32,7 +32,6 @@ from systemone.export.d1.answer_parity import sixteen_questions
 from systemone.export.half_precision import FLOAT16_MATMULS, convert_to_half
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
-from systemone.runtime.d1.cells import unshuffle_order
 from systemone.runtime.d1.engine import shared_prefix
 from systemone.runtime.d1.image_processor import cap_pixels, lfm2_image
 from systemone.runtime.d1.images import media_rows
@@ -92,8 +91,7 @@ def image_stages(service: DecisionService, baseline: GraphSession | None, portab
     print("vision rows, all crops", median_ms(lambda: encoder.rows(image, None)))
     for grid in sorted({c.grid for c in image.crops}):
         crops = [c for c in image.crops if c.grid == grid]
-        order = unshuffle_order(*grid, encoder.config.downsample_factor)
-        patches = np.stack([c.patches[order] for c in crops])
+        patches = np.stack([c.patches for c in crops])  # in the graph's order, as the processor writes them
         positions = encoder.positions(*grid)
         feeds = {"patches": patches, "positions": positions}
         print(f"grid {grid}: {len(crops)} crops, patches {patches.shape}, vision graph run",

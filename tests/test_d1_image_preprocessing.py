@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from scripts.lfm2_vision_fixtures import FIXTURE, RESIZE_CASES, SIZES, decode_crop, fixture_image, resize_case
+from systemone.runtime.d1.cells import unshuffle_order
 from systemone.runtime.d1.image_processor import (Lfm2ImageConfig, cap_pixels, grid_layout, lfm2_image,
                                                   placeholder_text, smart_size)
 from systemone.runtime.d1.siglip_positions import siglip_positions
@@ -40,7 +41,7 @@ def processed(request):
 def test_crops_equal_the_torchvision_processor(processed):
     """Spec 3.8 step 3: tiles resized from the original image and split row-major, then the thumbnail (or one
     crop), bilinear antialiased, rescale/normalize fused, 16x16 patches flattened (row, col, channel): equal to
-    transformers' pixel_values without padding, bit for bit."""
+    transformers' pixel_values without padding, bit for bit, once put back row-major."""
     name, image = processed
     shapes = REFERENCE[f"{name}/spatial_shapes"]
     assert [crop.grid for crop in image.crops] == [tuple(s) for s in shapes.tolist()]
@@ -48,9 +49,28 @@ def test_crops_equal_the_torchvision_processor(processed):
     for j, crop in enumerate(image.crops):
         expected = _reference_patches(REFERENCE[f"{name}/crop{j}"])
         assert crop.patches.dtype == np.float32 and crop.patches.shape == expected.shape
-        assert np.abs(crop.patches - expected).max() == 0.0, f"{name} crop {j}"
-        digest.update(np.ascontiguousarray(crop.patches).tobytes())
+        assert np.abs(crop.row_major() - expected).max() == 0.0, f"{name} crop {j}"
+        digest.update(crop.row_major().tobytes())
     assert digest.digest() == REFERENCE[f"{name}/sha256"].tobytes()
+
+
+def test_patches_are_written_in_the_vision_graphs_order(processed):
+    """The processor writes each crop's patches as the vision graph reads them (spec 3.8 step 5: a projector cell's
+    2x2 patches together, cells row-major), so one image's crops of a grid go to the graph as one view of its array,
+    never gathered on the engine thread."""
+    name, image = processed
+    start = 0
+    for j, crop in enumerate(image.crops):
+        expected = _reference_patches(REFERENCE[f"{name}/crop{j}"])
+        assert np.array_equal(crop.patches, expected[unshuffle_order(*crop.grid)]), f"{name} crop {j}"
+        assert np.shares_memory(crop.patches, image.patches)
+        np.testing.assert_array_equal(image.consecutive(j, 1)[0], crop.patches)
+        start += len(crop.patches)
+    assert start == len(image.patches)
+    same_grid = [j for j, c in enumerate(image.crops) if c.grid == image.crops[0].grid]
+    run = image.consecutive(0, len(same_grid))
+    assert run.base is not None and np.shares_memory(run, image.patches)
+    assert all(np.array_equal(run[k], image.crops[j].patches) for k, j in enumerate(same_grid))
 
 
 def test_grid_and_placeholder_equal_the_processor(processed):

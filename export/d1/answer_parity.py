@@ -81,7 +81,7 @@ def model_pixels(images: list[Lfm2Image]) -> dict[str, np.ndarray] | None:
     pixels = np.zeros((len(crops), width, crops[0].patches.shape[1]), np.float32)
     mask = np.zeros((len(crops), width), np.int32)
     for k, crop in enumerate(crops):
-        pixels[k, :len(crop.patches)] = crop.patches
+        pixels[k, :len(crop.patches)] = crop.row_major()
         mask[k, :len(crop.patches)] = 1
     return {"pixel_values": pixels, "pixel_attention_mask": mask,
             "spatial_shapes": np.array([c.grid for c in crops], np.int64)}

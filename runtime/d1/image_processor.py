@@ -3,15 +3,18 @@ in plain numpy, and the `<image>` placeholder text that replaces the prompt's im
 
 Per image the processor yields crops: either one crop at the "smart size", or (a large image) a grid of
 tile_size×tile_size tiles cut from the whole image resized to the grid, then a thumbnail of the whole image at the
-smart size. Each crop is rescaled/normalised and cut into encoder_patch_size² patches, row-major, each patch
-flattened (row, col, channel). The crops are not padded: the runtime runs each crop at its own patch grid.
+smart size. Each crop is rescaled/normalised and cut into encoder_patch_size² patches, each patch flattened (row,
+col, channel). The crops are not padded: the runtime runs each crop at its own patch grid. The patches are written
+in the vision graph's order (runtime/d1/cells.py: downsample² patches a projector cell, cells row-major), so that
+an image's crops go to the graph as they lie, with no gather on the engine thread; `Lfm2Crop.row_major` gives
+transformers' order.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import numpy as np
@@ -20,6 +23,7 @@ from PIL import Image
 from ..deadline import Deadline
 from ..image_transform import fit_area, normalize, resize_bilinear
 from ..pixel_workers import PixelWorkers, fill_here
+from .cells import unshuffle_order
 
 MAX_PIXELS = 1024 * 1024  # vLLM's d1 cap on the pixels of one image (spec 3.8 step 2)
 PIL_BILINEAR = 2  # PILImageResampling.BILINEAR, the only resample the torchvision port implements
@@ -136,11 +140,17 @@ class Lfm2ImageConfig:
 
 @dataclass(frozen=True)
 class Lfm2Crop:
-    """One crop's patches: float32 [gh * gw, 3 * p * p], patches row-major, each flattened (row, col, channel);
-    `grid` = (gh, gw), the patches high and wide (transformers' spatial_shapes)."""
+    """One crop's patches: float32 [gh * gw, 3 * p * p], each flattened (row, col, channel), in the vision graph's
+    order: `factor`² patches a projector cell (`unshuffle_order`); `grid` = (gh, gw), the patches high and wide
+    (transformers' spatial_shapes)."""
 
     patches: np.ndarray
     grid: tuple[int, int]
+    factor: int
+
+    def row_major(self) -> np.ndarray:
+        """The patches row-major, as transformers' processor lays them out (the torch reference takes them so)."""
+        return self.patches[np.argsort(unshuffle_order(*self.grid, self.factor))]
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,16 @@ class Lfm2Image:
     cols: int
     tile_tokens: int
     thumbnail_tokens: int
+    patches: np.ndarray = field(repr=False, compare=False)  # every crop's patches, one after another (crops view it)
+
+    def consecutive(self, first: int, count: int) -> np.ndarray:
+        """Crops first .. first + count - 1, all of one grid, as one [count, patches, width] view of `patches`."""
+        crops = self.crops[first:first + count]
+        if len(crops) != count or any(c.grid != crops[0].grid for c in crops):
+            raise ValueError(f"crops {first}..{first + count - 1} are not {count} crops of one grid")
+        start = sum(len(c.patches) for c in self.crops[:first])
+        size = len(crops[0].patches)
+        return self.patches[start:start + count * size].reshape(count, size, -1)
 
     @property
     def tiled(self) -> bool:
@@ -230,13 +250,14 @@ def grid_layout(height: int, width: int, config: Lfm2ImageConfig) -> tuple[int, 
 
 def _put_patches(out: np.ndarray, offset: int, pixels: np.ndarray, config: Lfm2ImageConfig) -> int:
     """uint8 [H, W, 3] -> fused rescale/normalize (float32 (x - 255·mean) / (255·std)), cut into patches written to
-    `out` from row `offset` on; the row after them."""
-    patch = config.encoder_patch_size
-    gh, gw = pixels.shape[0] // patch, pixels.shape[1] // patch
+    `out` from row `offset` on, in the vision graph's order (a projector cell's factor x factor patches, dh major,
+    cells row-major); the row after them."""
+    patch, factor = config.encoder_patch_size, config.downsample_factor
+    ch, cw = pixels.shape[0] // (patch * factor), pixels.shape[1] // (patch * factor)  # cells high and wide
     normalized = normalize(pixels, config.image_mean, config.image_std)
-    view = out[offset:offset + gh * gw].reshape(gh, gw, patch, patch, 3)
-    view[...] = normalized.reshape(gh, patch, gw, patch, 3).transpose(0, 2, 1, 3, 4)
-    return offset + gh * gw
+    view = out[offset:offset + ch * cw * factor * factor].reshape(ch, cw, factor, factor, patch, patch, 3)
+    view[...] = normalized.reshape(ch, factor, patch, cw, factor, patch, 3).transpose(0, 3, 1, 4, 2, 5, 6)
+    return offset + ch * cw * factor * factor
 
 
 @dataclass(frozen=True)
@@ -313,8 +334,9 @@ def lfm2_image(rgb: np.ndarray, config: Lfm2ImageConfig, workers: PixelWorkers |
     fill = partial(fill_lfm2_patches, config=config)
     run = workers.fill if workers is not None else fill_here
     out = run(fill, [rgb], (starts[-1], 3 * patch * patch), bands, deadline or Deadline())
-    crops = [Lfm2Crop(out[start:end], grid) for grid, start, end in zip(grids, starts[:-1], starts[1:], strict=True)]
-    return Lfm2Image(tuple(crops), rows, cols, _tokens(tile, tile, config), thumbnail_tokens)
+    crops = [Lfm2Crop(out[start:end], grid, config.downsample_factor)
+             for grid, start, end in zip(grids, starts[:-1], starts[1:], strict=True)]
+    return Lfm2Image(tuple(crops), rows, cols, _tokens(tile, tile, config), thumbnail_tokens, out)
 
 
 def placeholder_text(image: Lfm2Image) -> str:

@@ -73,20 +73,25 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
             for i, crop in enumerate(image.crops):
                 by_grid.setdefault(crop.grid, []).append((n, i))
         for grid, members in by_grid.items():
-            order = unshuffle_order(*grid, self.config.downsample_factor)
-            cells = len(order) // self.config.downsample_factor**2
+            cells = grid[0] * grid[1] // self.config.downsample_factor**2
             for start in range(0, len(members), MAX_CROPS_PER_RUN):
                 group = members[start:start + MAX_CROPS_PER_RUN]
-                # Gathered straight into one array: a gather per crop and their stack took 13.3 ms for the seeds'
-                # photo on two cores, this 2.0 ms (each crop's gather was a new multi-MB buffer to fault in).
-                first = images[group[0][0]].crops[group[0][1]].patches
-                patches = np.empty((len(group), len(order), first.shape[1]), first.dtype)
-                for k, (n, i) in enumerate(group):
-                    np.take(images[n].crops[i].patches, order, axis=0, out=patches[k])
+                patches = _crop_patches(images, group)
                 (rows,) = self.session.run({"patches": patches, "positions": self.positions(*grid)}, run_options)
                 for k, member in enumerate(group):
                     out[member] = rows[k * cells:(k + 1) * cells]
         return [np.concatenate([out[n, i] for i in range(len(image.crops))]) for n, image in enumerate(images)]
+
+
+def _crop_patches(images: list[Lfm2Image], group: list[tuple[int, int]]) -> np.ndarray:
+    """The patches of the crops `group` ((image, crop) pairs, all of one grid) as one [crops, patches, width] array:
+    consecutive crops of one image (a 1024x1024 image's four tiles and thumbnail) as a view of that image's patches,
+    which the processor wrote in the graph's order; others copied together. Gathering a 1024x1024 image's crops into
+    the graph's order here took 3.9 ms on the H200's host (docs/gpu.md, nineteenth run), on the engine thread."""
+    n, first = group[0]
+    if all(member == (n, first + k) for k, member in enumerate(group)):
+        return images[n].consecutive(first, len(group))
+    return np.stack([images[m].crops[i].patches for m, i in group])
 
 
 def expand_images(ids: list[int], image_token_id: int, placeholders: list[list[int]]) -> list[int]:
