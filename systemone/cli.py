@@ -179,15 +179,23 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
         precision = f"{form} form ({graphs}, readout float32; gate: {entry.gate.get('summary', '-')})"
     else:
         precision = f"portable form ({', '.join(sorted({g.dtype for g in manifest.graphs.values()}))})"
+    # Media and shared batches are optional parts of a family's engine (runtime/engine.py): say when one is absent.
+    media, budget = service.engine.media, service.engine.budget
+    if media is None:
+        proxy = "none: this family takes no media"
+    else:
+        proxy = (media.policy.proxies.describe()
+                 or "none: media URLs are fetched directly" + (" (--no-media-proxy)" * args.no_media_proxy))
+    batch_tokens = (f"{budget.max_batch_tokens} padded tokens a call at most" if budget is not None
+                    else "one request a call: this family's engine shares no batches")
     for key, value in (("model", ", ".join(service.served_model_names) + aliases),
                        ("artifact", f"{args.artifact} (family {manifest.family}, source {manifest.source})"),
                        ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),
                        ("cuda graphs", service.cuda_graphs),
                        ("media", service.media_pool.describe()),
-                       ("proxy", service.engine.media.policy.proxies.describe()
-                        or "none: media URLs are fetched directly" + (" (--no-media-proxy)" * args.no_media_proxy)),
+                       ("proxy", proxy),
                        ("max model len", str(service.max_model_len)),
-                       ("batch tokens", f"{service.engine.budget.max_batch_tokens} padded tokens a call at most"),
+                       ("batch tokens", batch_tokens),
                        ("address", f"http://{args.host}:{args.port}/v1/systemone")):
         print(f"systemone serve: {key:<13} {value}", flush=True)
 
