@@ -7,12 +7,17 @@ as `decide` runs them: the prompts tokenized while the image loads); encode_medi
 prefill (the shared prefix, images included, on an empty state); suffix_reads (the 16 questions on that state);
 whole_run (encode, prefill and reads as `Engine.run` does them). Medians leave out the first two requests.
 
+With --gpu-kernels (CUDA, torch installed: a profiling tool, not the runtime), the last request's prefill, suffix
+reads and whole run again under CUPTI (scripts/ort_profile.py's `gpu_kernel_times`): the GPU's own time and kernel
+launches a run, by kernel family. Set beside the stage's wall time, it says whether that stage waits on the GPU or
+on the host's launches.
+
 With --vision-baseline, each crop grid's vision run is also timed, on the same crops, through the portable vision
 graph rewritten with only its matrix products in fp16 (the vision graph of the rungs without fused ops, written
 again here into a temporary folder), and both are compared with the portable fp32 graph: the fused vision graph's
 gain side by side, in one run.
 
-    python scripts/d1_request_stages.py ARTIFACT [--device cuda] [--requests 12] [--vision-baseline]
+    python scripts/d1_request_stages.py ARTIFACT [--device cuda] [--requests 12] [--vision-baseline] [--gpu-kernels]
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ def median_ms(fn: Callable[[], Any], repeats: int = 7) -> str:
     return f"{percentile_ms(timed(fn, repeats), 50):.2f} ms"  # after one untimed call, as `systemone bench` times
 
 
-def request_stages(service: DecisionService, requests: int) -> None:
+def request_stages(service: DecisionService, requests: int) -> dict[str, Callable[[], Any]]:
+    """Times the stages of `requests` image requests; the last request's GPU stages, to run again."""
     engine = service.engine
     image = image_url(1024, 1024, seed=7)
     stages: dict[str, list[float]] = {}
@@ -75,6 +81,25 @@ def request_stages(service: DecisionService, requests: int) -> None:
     print(f"prefix {split} tokens, vision rows {encoded.shape}")
     for name, times in stages.items():
         print(f"{name:15s} median {np.median(times[2:]):8.2f} ms  min {min(times[2:]):8.2f}")
+    suffixes = [p[split:] for p in ids]
+    return {"prefill": lambda: engine.runner.extend(engine.runner.empty(), ids[0][:split], rows),
+            "suffix_reads": lambda: engine.runner.suffix_logprobs(snapshot, suffixes, label_ids),
+            "whole_run": lambda: engine.run(prepared)}
+
+
+def gpu_stages(stages: dict[str, Callable[[], Any]], runs: int = 5) -> None:
+    """Each stage's GPU kernel time a run against its wall time: a stage whose kernels take far less than its wall
+    time is bound by the host (launches, copies, Python), not the GPU."""
+    from ort_profile import gpu_kernel_times  # beside this script
+
+    for name, fn in stages.items():
+        wall = percentile_ms(timed(fn, runs), 50)
+        report = gpu_kernel_times(fn, runs)
+        families = ", ".join(f"{family} {entry['ms']:.2f}" for family, entry in report["by_family"].items())
+        print(f"{name:15s} wall {wall:7.2f} ms, GPU {report['gpu_ms_per_run']:7.2f} ms in "
+              f"{report['kernels_per_run']:.0f} kernels ({families})")
+        for kernel in report["top_kernels"][:6]:
+            print(f"    {kernel['ms']:6.2f} ms  {kernel['launches_per_run']:5.0f}x  {kernel['name'][:110]}")
 
 
 def image_stages(service: DecisionService, baseline: GraphSession | None, portable: GraphSession | None) -> None:
@@ -109,13 +134,15 @@ def main() -> None:
     parser.add_argument("artifact")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--gpu-kernels", action="store_true",
+                        help="also the GPU's kernel time of the prefill, the reads and the whole run (CUDA, torch)")
     parser.add_argument("--vision-baseline", action="store_true",
                         help="also time the portable vision graph with fp16 products on the same crops")
     args = parser.parse_args()
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
     print(f"{args.artifact} on {service.provider}, form {service.form}")
     print("batch rows", service.batch_sizing().describe())
-    request_stages(service, args.requests)
+    stages = request_stages(service, args.requests)
     with tempfile.TemporaryDirectory() as scratch:
         baseline = portable = None
         if args.vision_baseline:
@@ -123,6 +150,8 @@ def main() -> None:
             convert_to_half(portable_graph, target, ["media_embeds"], FLOAT16_MATMULS)
             baseline, portable = (GraphSession(path, args.device) for path in (target, portable_graph))
         image_stages(service, baseline, portable)
+    if args.gpu_kernels:
+        gpu_stages(stages)
 
 
 if __name__ == "__main__":

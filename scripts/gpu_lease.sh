@@ -15,31 +15,38 @@
 #                                                          RUN and BTAG name the files of a repeated step
 # Between calls the machine stays warm for 30 s only: make them back to back. Results go to ~/res, and to $OUT as
 # one results.tgz (a call brings back at most 8 files).
+# D3_SIZE and D1_SIZE (d3-nano, d1-3B) name the checkpoints' sizes: `tiny` for a dry run of the steps on a CPU
+# machine (HOME pointed at a scratch folder), where everything up to the forms' GPU gates runs.
 set -uo pipefail
 step="$1"; shift
 quiet() {
   grep -v "falling back\|Writing model\|Loading weights\|torchvision\|UserWarning\|warnings.warn\|W:onnxruntime"
 }
-d3=~/work/d3-nano-noncausal_full_attention; d1=~/work/d1-3B--  # gpu_bench.sh's and gpu_serve_bench.sh's folders
+d3size=${D3_SIZE:-d3-nano}; d1size=${D1_SIZE:-d1-3B}
+d3=~/work/$d3size-noncausal_full_attention; d1=~/work/$d1size--  # gpu_bench.sh's and gpu_serve_bench.sh's folders
 wheel=~/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
 
-chain() {  # SIZE MODE FORM: a random-init checkpoint, its portable export on the CPU, then its CUDA form
-  local size=$1 mode=$2 form=$3 work=~/work/$1-$2 t0
+chain() {  # FAMILY SIZE MODE FORM: a random-init checkpoint, its portable export on the CPU, then its CUDA form
+  local family=$1 size=$2 mode=$3 form=$4 work=~/work/$2-$3 t0
   t0=$(date +%s)
   stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+  failed() { stamp "$1 failed"; touch "$work.failed"; return 1; }  # `wait` stops on it, not at its time limit
   cd ~ || return
+  set -o pipefail  # a failed export fails its step, through `quiet`
   export OMP_NUM_THREADS=8 PYTHONPATH=~/site0:~/pkg:~/repo  # two exports share the host's 16 cores
-  case $size in
-    d1*) python3 ~/repo/scripts/build_d1_checkpoint.py "$work/checkpoint" --size "$size" ;;
-    *) python3 ~/repo/scripts/build_d3_checkpoint.py "$work/checkpoint" --size "$size" --attention-mode "$mode" ;;
-  esac
+  if [ "$family" = d1 ]; then
+    python3 ~/repo/scripts/build_d1_checkpoint.py "$work/checkpoint" --size "$size"
+  else
+    python3 ~/repo/scripts/build_d3_checkpoint.py "$work/checkpoint" --size "$size" --attention-mode "$mode"
+  fi || { failed checkpoint; return; }
   stamp checkpoint built
-  python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --overwrite --portable-only 2>&1 | quiet
+  python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --overwrite --portable-only 2>&1 | quiet \
+    || { failed "portable export"; return; }
   stamp portable export done
   until [ -f ~/site/.ready ]; do sleep 2; done
   export PYTHONPATH=~/site:~/pkg:~/repo
   python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --add-forms --gate-device cuda \
-    --forms "$form" 2>&1 | quiet
+    --forms "$form" 2>&1 | quiet || { failed form; return; }
   stamp form written
   touch "$work.done"
 }
@@ -56,6 +63,7 @@ PY
 case $step in
 start)
   mkdir -p ~/p ~/wheels ~/logs ~/work ~/res && cp .device/ort/part00 ~/p/ && cp .device/w0/*.whl ~/wheels/
+  rm -f "$d3".done "$d3".failed "$d1".done "$d1".failed
   python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site0 ~/wheels/*.whl
   # The chains outlive this call and run through the next ones, whose checkouts replace this one: they read a copy.
   rm -rf ~/repo && mkdir ~/repo && cp -r export runtime models server systemone scripts tests pyproject.toml ~/repo/
@@ -63,8 +71,8 @@ start)
   for d in export runtime models server; do ln -sfn ~/repo/$d ~/pkg/systemone/$d; done
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   export -f chain quiet
-  setsid nohup bash -c "chain d3-nano noncausal_full_attention cuda-fused-mixed" > ~/logs/d3.log 2>&1 < /dev/null &
-  setsid nohup bash -c "chain d1-3B - cuda-fused" > ~/logs/d1.log 2>&1 < /dev/null &
+  setsid nohup bash -c "chain d3 $d3size noncausal_full_attention cuda-fused-mixed" > ~/logs/d3.log 2>&1 < /dev/null &
+  setsid nohup bash -c "chain d1 $d1size - cuda-fused" > ~/logs/d1.log 2>&1 < /dev/null &
   ;;
 gather)
   k=$1
@@ -79,7 +87,8 @@ gather)
   ;;
 wait)
   end=$(( $(date +%s) + $1 ))
-  until { [ -f $d3.done ] && [ -f $d1.done ]; } || [ "$(date +%s)" -ge $end ]; do sleep 3; done
+  finished() { [ -f "$1.done" ] || [ -f "$1.failed" ]; }
+  until { finished "$d3" && finished "$d1"; } || [ "$(date +%s)" -ge "$end" ]; do sleep 3; done
   tail -n 12 ~/logs/*.log | cut -c1-300
   ;;
 bench)
@@ -89,7 +98,7 @@ bench)
     t0=$(date +%s); echo "=== $what"
     case $what in
     d1stages)
-      python3 ~/repo/scripts/d1_request_stages.py $d1/artifact --device cuda --requests 10 2>&1 | quiet \
+      python3 ~/repo/scripts/d1_request_stages.py $d1/artifact --device cuda --requests 10 --gpu-kernels 2>&1 | quiet \
         | tee ~/res/d1_request_stages.txt ;;
     d1bench)
       python3 -m systemone.cli bench $d1/checkpoint --artifact $d1/artifact --device cuda --forms cuda-fused \
@@ -103,9 +112,11 @@ bench)
           -- --max-batch-rows 32 | tail -1
       done ;;
     d3mix|d1mix)
-      size=$([ "$what" = d3mix ] && echo "d3-nano noncausal_full_attention" || echo "d1-3B -")
+      size=$([ "$what" = d3mix ] && echo "$d3size noncausal_full_attention" || echo "$d1size -")
+      # The bench's lines are in its files; the time to the first answer and the start-up's choices are not.
       # shellcheck disable=SC2086  # two words: SIZE MODE
-      (cd ~/repo && OUT=~/res REFERENCE=0 TAG="${RUN:-lease}" bash scripts/gpu_serve_bench.sh $size 12 | tail -8)
+      (cd ~/repo && OUT=~/res REFERENCE=0 TAG="${RUN:-lease}" bash scripts/gpu_serve_bench.sh $size 12 \
+        | grep "first answer\|systemone serve:\|batch rows\|cuda graphs")
       for f in ~/res/serve_bench_{,text1_}"${size// /_}_${RUN:-lease}".json; do summary "$f"; done ;;
     *) echo "unknown bench step $what" >&2 ;;
     esac
