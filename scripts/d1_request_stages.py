@@ -38,6 +38,7 @@ from systemone.export.half_precision import FLOAT16_MATMULS, convert_to_half
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.d1.engine import shared_prefix
+from systemone.runtime.d1 import image_processor
 from systemone.runtime.d1.image_processor import cap_pixels, lfm2_image
 from systemone.runtime.d1.images import media_rows
 from systemone.runtime.engine import EngineOptions
@@ -113,6 +114,16 @@ def image_stages(service: DecisionService, baseline: GraphSession | None, portab
     print("cap", median_ms(lambda: cap_pixels(rgb)))
     image = lfm2_image(capped, encoder.config)
     print("lfm2_image", median_ms(lambda: lfm2_image(capped, encoder.config)), [c.grid for c in image.crops])
+    # As a request runs it (a lone image: the pixel workers' threads), in parts of PART_ROWS rows and, side by side,
+    # in one part a row of tiles or the thumbnail (PART_ROWS unbounded), as before parts were cut finer.
+    workers = service.media_pool.pixels
+    for rows in (image_processor.PART_ROWS, 1 << 30):
+        part_rows, image_processor.PART_ROWS = image_processor.PART_ROWS, rows
+        try:
+            print(f"lfm2_image in the pixel workers' threads, parts of at most {rows} rows",
+                  median_ms(lambda: lfm2_image(capped, encoder.config, workers), repeats=21))
+        finally:
+            image_processor.PART_ROWS = part_rows
     print("vision rows, all crops", median_ms(lambda: encoder.rows(image, None)))
     for grid in sorted({c.grid for c in image.crops}):
         crops = [c for c in image.crops if c.grid == grid]

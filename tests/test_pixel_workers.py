@@ -67,7 +67,7 @@ def test_processes_threads_and_inline_give_the_same_image_rows(one_process):
     assert one_process.fallbacks == 0 and one_process.in_processes == 1
 
 
-@pytest.mark.parametrize("size", [(960, 1280), (300, 500)])  # a row of tiles a part and the thumbnail; one crop
+@pytest.mark.parametrize("size", [(960, 1280), (300, 500)])  # tiles and a thumbnail, in parts; one crop
 def test_d1_crops_are_the_same_in_processes_threads_and_inline(one_process, size):
     """d1's processor (LFM2-VL) in the pixel workers: the same crops, grids and patches wherever it ran."""
     image = np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8)

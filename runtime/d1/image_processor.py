@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from ..deadline import Deadline
-from ..image_transform import fit_area, normalize, resize_bilinear
+from ..image_transform import BLOCK, fit_area, normalize, resize_bilinear
 from ..pixel_workers import PixelWorkers, fill_here
 from .cells import unshuffle_order
 
@@ -31,6 +31,10 @@ IMAGE_TOKEN = "<image>"
 IMAGE_START = "<|image_start|>"
 IMAGE_END = "<|image_end|>"
 IMAGE_THUMBNAIL = "<|img_thumbnail|>"
+# Output rows a part of an image's pixel work makes at most (rounded down to whole resize blocks and projector
+# cells). Parts run side by side in the pixel workers; a 1024x1024 image's thumbnail (its 512 rows resized from
+# 1024, about three quarters of the processor's time) was one part, the processor's critical path.
+PART_ROWS = 128
 
 _INT_FIELDS = ("encoder_patch_size", "downsample_factor", "min_image_tokens", "max_image_tokens", "min_tiles",
                "max_tiles", "tile_size")
@@ -248,29 +252,42 @@ def grid_layout(height: int, width: int, config: Lfm2ImageConfig) -> tuple[int, 
     return best
 
 
-def _put_patches(out: np.ndarray, offset: int, pixels: np.ndarray, config: Lfm2ImageConfig) -> int:
+def _put_patches(out: np.ndarray, offset: int, pixels: np.ndarray, config: Lfm2ImageConfig) -> None:
     """uint8 [H, W, 3] -> fused rescale/normalize (float32 (x - 255·mean) / (255·std)), cut into patches written to
     `out` from row `offset` on, in the vision graph's order (a projector cell's factor x factor patches, dh major,
-    cells row-major); the row after them."""
+    cells row-major)."""
     patch, factor = config.encoder_patch_size, config.downsample_factor
     ch, cw = pixels.shape[0] // (patch * factor), pixels.shape[1] // (patch * factor)  # cells high and wide
     normalized = normalize(pixels, config.image_mean, config.image_std)
     view = out[offset:offset + ch * cw * factor * factor].reshape(ch, cw, factor, factor, patch, patch, 3)
     view[...] = normalized.reshape(ch, factor, patch, cw, factor, patch, 3).transpose(0, 3, 1, 4, 2, 5, 6)
-    return offset + ch * cw * factor * factor
 
 
 @dataclass(frozen=True)
 class _Band:
     """A part of an image's patches (a `Fill` part, runtime/pixel_workers.py): output rows [top, bottom) of the
-    image resized to height x width, cut into `crops` crops side by side, their patches written from row `offset`."""
+    image resized to height x width, cut into crops side by side, crop c's patches of these rows written from row
+    offsets[c] of the patches on."""
 
     height: int
     width: int
     top: int
     bottom: int
-    crops: int
-    offset: int
+    offsets: tuple[int, ...]
+
+
+def _bands(height: int, width: int, top: int, bottom: int, firsts: Sequence[int], config: Lfm2ImageConfig
+           ) -> list[_Band]:
+    """Rows [top, bottom) of crops side by side (each crop's patches from row firsts[c]) in parts of at most
+    PART_ROWS rows: whole resize blocks (a part resizes only its rows) and whole projector cells (a part's
+    patches are consecutive in each crop)."""
+    cell = config.encoder_patch_size * config.downsample_factor
+    step = math.lcm(BLOCK, cell)
+    rows = max(step, PART_ROWS // step * step)
+    patches_a_cell_row = (width // len(firsts)) // cell * config.downsample_factor ** 2
+    return [_Band(height, width, start, min(start + rows, bottom),
+                  tuple(first + (start - top) // cell * patches_a_cell_row for first in firsts))
+            for start in range(top, bottom, rows)]
 
 
 def fill_lfm2_patches(images: Sequence[np.ndarray], out: np.ndarray, band: _Band, stopped: Callable[[], bool], *,
@@ -279,10 +296,9 @@ def fill_lfm2_patches(images: Sequence[np.ndarray], out: np.ndarray, band: _Band
     if stopped():
         return
     pixels = resize_bilinear(images[0], band.height, band.width, range(band.top, band.bottom))
-    side = band.width // band.crops
-    offset = band.offset
-    for c in range(band.crops):
-        offset = _put_patches(out, offset, pixels[:, c * side:(c + 1) * side], config)
+    side = band.width // len(band.offsets)
+    for c, offset in enumerate(band.offsets):
+        _put_patches(out, offset, pixels[:, c * side:(c + 1) * side], config)
 
 
 def _tokens(height: int, width: int, config: Lfm2ImageConfig) -> int:
@@ -298,7 +314,8 @@ def lfm2_image(rgb: np.ndarray, config: Lfm2ImageConfig, workers: PixelWorkers |
     smart size; any other image one crop at the smart size. Resizes are torchvision's antialiased bilinear.
 
     The pixel work runs in `workers` where given (in its processes when other media jobs run, as d3's images do),
-    a row of tiles or the thumbnail a part; the crops are views of one array of patches."""
+    in parts of up to PART_ROWS rows of a row of tiles or of the thumbnail; the crops are views of one array of
+    patches."""
     if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
         raise ValueError(f"rgb: expected uint8 [H, W, 3], got {rgb.dtype} {rgb.shape}")
     height, width = rgb.shape[:2]
@@ -326,11 +343,12 @@ def lfm2_image(rgb: np.ndarray, config: Lfm2ImageConfig, workers: PixelWorkers |
     grids = ([(tile // patch, tile // patch)] * (rows * cols) if tiled else []) + \
         [(new_height // patch, new_width // patch)] * thumbnail
     starts = np.cumsum([0] + [h * w for h, w in grids]).tolist()  # each crop's first row in the array of patches
-    # A row of tiles a part, cut from the whole image resized to the grid; then the thumbnail a part.
-    bands = ([_Band(tile * rows, tile * cols, r * tile, (r + 1) * tile, cols, starts[r * cols]) for r in range(rows)]
-             if tiled else [])
+    # The tiles' rows, cut from the whole image resized to the grid, then the thumbnail's, in parts of PART_ROWS.
+    bands = [band for r in range(rows if tiled else 0)
+             for band in _bands(tile * rows, tile * cols, r * tile, (r + 1) * tile, starts[r * cols:(r + 1) * cols],
+                                config)]
     if thumbnail:
-        bands.append(_Band(new_height, new_width, 0, new_height, 1, starts[-2]))
+        bands += _bands(new_height, new_width, 0, new_height, starts[-2:-1], config)
     fill = partial(fill_lfm2_patches, config=config)
     run = workers.fill if workers is not None else fill_here
     out = run(fill, [rgb], (starts[-1], 3 * patch * patch), bands, deadline or Deadline())
