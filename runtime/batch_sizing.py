@@ -12,8 +12,8 @@ On the H200 (d3-nano, text-only requests from 64 clients, the twenty-second run)
 64 rows and 1.18-1.19 at 32; served, calls of up to 64 rows got a p99 of 124-139 ms and 723-832 requests/s, calls of
 32 (captured) 81-112 ms and 819-839 requests/s, in four alternating runs each. With 64 the text lane stood idle 4-16%
 of the time (1-2% with 32): a call that takes every waiting row leaves the next one few ready.
-The same timings give the call's cost model (a fixed part and a part per padded token), by which an engine groups
-one request's rows of different lengths into calls (`BatchBudget.plan`).
+The same timings give the call's cost model (a fixed part, a part per padded token, and a floor: the fastest call), by
+which an engine groups one request's rows of different lengths into calls (`BatchBudget.plan`).
 Under a bounded arena (--gpu-memory) the measurement stops at the largest batch the arena holds.
 """
 
@@ -62,18 +62,23 @@ class BatchSizing:
 
 
 def fit_call_cost(seconds_by_tokens: dict[int, float]) -> CallCost | None:
-    """The fixed and per-token parts of a call's time, fitted to (padded tokens, seconds) by least squares on the
-    relative error, so the one-row call that fixes the fixed part weighs as much as the largest; neither part is
-    negative."""
+    """A call's cost model fitted to (padded tokens, seconds): the fixed and per-token parts by least squares on the
+    relative error, so the smallest call weighs as much as the largest, neither part negative. Where a larger call
+    was the fastest (a GPU's launch-bound small calls: their time falls, then rises), that call's time is the
+    floor, and the two parts are fitted to the calls from it on, where the time rises with the tokens."""
     if len(seconds_by_tokens) < 2:
         return None
-    x = np.array(list(seconds_by_tokens), dtype=np.float64)
-    t = np.array(list(seconds_by_tokens.values()), dtype=np.float64)
+    points = sorted(seconds_by_tokens.items())
+    fastest = min(range(len(points)), key=lambda i: points[i][1])
+    falls_first = 0 < fastest < len(points) - 1
+    rising = points[fastest:] if falls_first else points
+    x = np.array([tokens for tokens, _ in rising], dtype=np.float64)
+    t = np.array([seconds for _, seconds in rising], dtype=np.float64)
     w = 1.0 / t**2
     sw, sx, st = w.sum(), (w * x).sum(), (w * t).sum()
     sxx, sxt = (w * x * x).sum(), (w * x * t).sum()
     token_s = max(0.0, (sw * sxt - sx * st) / (sw * sxx - sx * sx))
-    return CallCost(fixed_s=max(0.0, (st - token_s * sx) / sw), token_s=token_s)
+    return CallCost(fixed_s=max(0.0, (st - token_s * sx) / sw), token_s=token_s, floor_s=points[fastest][1] if falls_first else 0.0)
 
 
 def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int = MOST_ROWS,

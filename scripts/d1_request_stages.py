@@ -5,7 +5,8 @@ Stages, in the order a request runs them: validate; load_media (fetch, decode, c
 pool); prepare_loaded (prompts rendered and tokenized, labels); prepare (validate, load_media and prepare_loaded
 as `decide` runs them: the prompts tokenized while the image loads); encode_media (the vision graph over every crop);
 prefill (the shared prefix, images included, on an empty state); suffix_reads (the 16 questions on that state);
-whole_run (encode, prefill and reads as `Engine.run` does them). Medians leave out the first two requests.
+whole_run (encode, prefill and reads as `Engine.run` does them). Medians leave out the first two requests. Then the
+last request's reads grouped by start-up's cost model and, side by side, in one call.
 
 With --gpu-kernels (CUDA, torch installed: a profiling tool, not the runtime), the last request's prefill, suffix
 reads and whole run again under CUPTI (scripts/ort_profile.py's `gpu_kernel_times`): the GPU's own time and kernel
@@ -37,10 +38,12 @@ from systemone.export.d1.answer_parity import sixteen_questions
 from systemone.export.half_precision import FLOAT16_MATMULS, convert_to_half
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
+from systemone.runtime.batch import CallCost
 from systemone.runtime.d1.engine import shared_prefix
 from systemone.runtime.d1 import image_processor
 from systemone.runtime.d1.image_processor import cap_pixels, lfm2_image
 from systemone.runtime.d1.images import media_rows
+from systemone.runtime.d1.state import D1TextRunner, Snapshot
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.media_decode import decode_image
 from systemone.runtime.service import DecisionService
@@ -83,9 +86,26 @@ def request_stages(service: DecisionService, requests: int) -> dict[str, Callabl
     for name, times in stages.items():
         print(f"{name:15s} median {np.median(times[2:]):8.2f} ms  min {min(times[2:]):8.2f}")
     suffixes = [p[split:] for p in ids]
+    read_plans(engine.runner, snapshot, suffixes, label_ids)
     return {"prefill": lambda: engine.runner.extend(engine.runner.empty(), ids[0][:split], rows),
             "suffix_reads": lambda: engine.runner.suffix_logprobs(snapshot, suffixes, label_ids),
             "whole_run": lambda: engine.run(prepared)}
+
+
+def read_plans(runner: D1TextRunner, snapshot: Snapshot, suffixes: list[list[int]], label_ids: list[int]) -> None:
+    """The suffix reads grouped by start-up's cost model, and side by side all in one call (what a straight line
+    fitted through a GPU's launch-bound small calls chose): each grouping's calls, padded tokens and time."""
+    measured = runner.cost
+    try:
+        for name, cost in (("start-up's cost model", measured), ("one call", CallCost(fixed_s=1.0, token_s=0.0))):
+            runner.cost = cost
+            plan = runner.budget.plan([len(s) for s in suffixes], snapshot.length, cost)
+            padded = sum(len(call) * max(len(suffixes[i]) for i in call) for call in plan)
+            print(f"suffix reads, {name}: {len(plan)} calls, {padded} padded tokens "
+                  f"({sum(len(s) for s in suffixes)} real),",
+                  median_ms(lambda: runner.suffix_logprobs(snapshot, suffixes, label_ids)))
+    finally:
+        runner.cost = measured
 
 
 def gpu_stages(stages: dict[str, Callable[[], Any]], runs: int = 5) -> None:

@@ -16,13 +16,15 @@
 # Between calls the machine stays warm for 30 s only: make them back to back. Results go to ~/res, and to $OUT as
 # one results.tgz (a call brings back at most 8 files).
 # D3_SIZE and D1_SIZE (d3-nano, d1-3B) name the checkpoints' sizes: `tiny` for a dry run of the steps on a CPU
-# machine (HOME pointed at a scratch folder), where everything up to the forms' GPU gates runs.
+# machine (HOME pointed at a scratch folder), where everything up to the forms' GPU gates runs. FAMILIES (d3 d1)
+# names the families `start` exports and `wait` waits for: one alone where device time is short (a fresh machine's
+# d1-3B export and form took about 570 s, both families side by side about 700).
 set -uo pipefail
 step="$1"; shift
 quiet() {
   grep -v "falling back\|Writing model\|Loading weights\|torchvision\|UserWarning\|warnings.warn\|W:onnxruntime"
 }
-d3size=${D3_SIZE:-d3-nano}; d1size=${D1_SIZE:-d1-3B}
+d3size=${D3_SIZE:-d3-nano}; d1size=${D1_SIZE:-d1-3B}; families=${FAMILIES:-d3 d1}
 d3=~/work/$d3size-noncausal_full_attention; d1=~/work/$d1size--  # gpu_bench.sh's and gpu_serve_bench.sh's folders
 wheel=~/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
 
@@ -71,8 +73,13 @@ start)
   for d in export runtime models server; do ln -sfn ~/repo/$d ~/pkg/systemone/$d; done
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   export -f chain quiet
-  setsid nohup bash -c "chain d3 $d3size noncausal_full_attention cuda-fused-mixed" > ~/logs/d3.log 2>&1 < /dev/null &
-  setsid nohup bash -c "chain d1 $d1size - cuda-fused" > ~/logs/d1.log 2>&1 < /dev/null &
+  for family in $families; do
+    case $family in
+    d3) setsid nohup bash -c "chain d3 $d3size noncausal_full_attention cuda-fused-mixed" > ~/logs/d3.log 2>&1 \
+          < /dev/null & ;;
+    d1) setsid nohup bash -c "chain d1 $d1size - cuda-fused" > ~/logs/d1.log 2>&1 < /dev/null & ;;
+    esac
+  done
   ;;
 gather)
   k=$1
@@ -87,8 +94,14 @@ gather)
   ;;
 wait)
   end=$(( $(date +%s) + $1 ))
-  finished() { [ -f "$1.done" ] || [ -f "$1.failed" ]; }
-  until { finished "$d3" && finished "$d1"; } || [ "$(date +%s)" -ge "$end" ]; do sleep 3; done
+  finished() {  # every family asked for has its form written, or failed
+    local family work
+    for family in $families; do
+      work=$([ "$family" = d3 ] && echo "$d3" || echo "$d1")
+      [ -f "$work.done" ] || [ -f "$work.failed" ] || return 1
+    done
+  }
+  until finished || [ "$(date +%s)" -ge "$end" ]; do sleep 3; done
   tail -n 12 ~/logs/*.log | cut -c1-300
   ;;
 bench)

@@ -78,6 +78,37 @@ def test_the_call_cost_is_fitted_to_the_start_up_timings():
     assert falling.fixed_s >= 0 and falling.token_s == 0
 
 
+def test_launch_bound_small_calls_give_a_floor_and_the_slope_of_the_large_ones():
+    """A GPU's uncaptured calls: the small ones cost their kernel launches whatever their size (the timings fall,
+    then rise). The fastest call is the floor; the fixed and per-token parts follow the calls from it on."""
+    floor, fixed, token = 9e-3, 5e-3, 12e-6
+    timings = {128: 11e-3, 256: floor, 512: 11.2e-3, 1024: fixed + token * 1024, 2048: fixed + token * 2048,
+               4096: fixed + token * 4096}
+    cost = fit_call_cost(timings)
+    assert cost.floor_s == floor
+    assert cost.token_s == pytest.approx(token, rel=0.05) and cost.fixed_s == pytest.approx(fixed, rel=0.15)
+    assert cost.seconds(1, 20) == floor and cost.seconds(32, 128) == pytest.approx(timings[4096], rel=0.02)
+    assert "at least 9.00 ms" in cost.describe()
+    # Where the smallest call is the fastest (a CPU), there is no floor: the model is the straight line.
+    rising = fit_call_cost({tokens: fixed + token * tokens for tokens in (128, 256, 512)})
+    assert rising.floor_s == 0.0 and rising.seconds(1, 1) == pytest.approx(fixed + token)
+
+
+def test_with_a_floor_long_and_short_suffixes_go_in_two_calls():
+    """d1-3B's start-up timings on the H200 (twenty-third run) and the sixteen-question request's suffixes (20 to
+    130 tokens): the straight line fitted through the launch-bound small calls made one call of 16 x 130 padded
+    tokens; the floor model splits them where the padding costs more than the launches of a second call."""
+    timings = {128 * rows: ms / 1000 for rows, ms in {1: 14.16, 2: 14.04, 4: 13.52, 8: 18.08, 16: 29.6,
+                                                      32: 54.72}.items()}
+    lengths = [20, 20, 20, 28, 29, 29, 29, 38, 48, 53, 68, 85, 108, 111, 115, 130]
+    budget = BatchBudget()
+    line = CallCost(fixed_s=10.89e-3, token_s=9.06e-6)  # the straight line start-up printed in that run
+    assert len(budget.plan(lengths, 2169, line)) == 1
+    cost = fit_call_cost(timings)
+    plan = budget.plan(lengths, 2169, cost)
+    assert sorted(sorted(lengths[i] for i in call) for call in plan) == [lengths[:10], lengths[10:]]
+
+
 def test_the_start_up_measurement_gives_the_engine_its_cost_and_no_grouping_changes_an_answer(d1_artifact):
     """Measured on the tiny d1 model on CPU, then the sixteen-question request (suffixes of 20 to 130 tokens on
     one shared prefix) read with its calls filled to the budget, grouped by the measured cost, and one call per
