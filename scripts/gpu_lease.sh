@@ -35,7 +35,8 @@ chain() {  # FAMILY SIZE MODE FORM: a random-init checkpoint, its portable expor
   failed() { stamp "$1 failed"; touch "$work.failed"; return 1; }  # `wait` stops on it, not at its time limit
   cd ~ || return
   set -o pipefail  # a failed export fails its step, through `quiet`
-  export OMP_NUM_THREADS=8 PYTHONPATH=~/site0:~/pkg:~/repo  # two exports share the host's 16 cores
+  # The exports share the host's cores.
+  export OMP_NUM_THREADS=$(( $(nproc) / $(wc -w <<< "$families") )) PYTHONPATH=~/site0:~/pkg:~/repo
   if [ "$family" = d1 ]; then
     python3 ~/repo/scripts/build_d1_checkpoint.py "$work/checkpoint" --size "$size"
   else
@@ -72,7 +73,7 @@ start)
   mkdir -p ~/pkg/systemone && cp ~/repo/systemone/*.py ~/pkg/systemone/
   for d in export runtime models server; do ln -sfn ~/repo/$d ~/pkg/systemone/$d; done
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  export -f chain quiet
+  export -f chain quiet && export families
   for family in $families; do
     case $family in
     d3) setsid nohup bash -c "chain d3 $d3size noncausal_full_attention cuda-fused-mixed" > ~/logs/d3.log 2>&1 \
