@@ -108,6 +108,20 @@ def test_images_are_fetched_and_encoded_once_per_request(d1_artifact):
     assert prompt.token_ids.count(396) == 2 * 234
 
 
+def test_an_images_position_tables_are_made_while_it_loads_not_when_the_vision_graph_runs(d1_artifact):
+    """A crop grid's position table (the SigLIP2 table resized to it) is made in the media pool as the image loads:
+    the vision graph's turn, which every request's images share, finds it made."""
+    service = DecisionService(Artifact.load(d1_artifact), EngineOptions(device="cpu"))
+    encoder = service.engine.media
+    request, _ = service.validate({"state": "x", "images": [data_url(gradient_png(700, 300))], "questions": {"q": NOUL}})
+    (image,) = service.load_media(request).in_order()
+    grids = {crop.grid for crop in image.crops}
+    made = encoder.positions.cache_info()
+    assert made.currsize == len(grids) == made.misses
+    encoder.rows(image, None)
+    assert encoder.positions.cache_info().misses == made.misses
+
+
 @pytest.mark.parametrize("size", [(1, 1), (3, 5000), (50, 50)])
 def test_small_and_thin_images_are_answered(d1_service, size):
     """Spec 3.8: smart resize takes any image to at least 32 px a side and the 64-token minimum."""

@@ -55,9 +55,15 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
         try:
             # The resizes and patches in the pixel workers: in threads here, the GIL held them back (the H200's
             # d1 mix at 8 clients: a photo's loading went from 0.14 s alone to 0.4-1.5 s; docs/gpu.md, eighteenth run).
-            return lfm2_image(capped, self.config, workers, deadline)
+            image = lfm2_image(capped, self.config, workers, deadline)
         except ValueError as exc:
             raise DecisionError(f"Failed to apply Lfm2VlProcessor on {where}: {exc}") from None
+        # Each crop grid's position table is made here, in the media pool, and not when the vision graph runs, on
+        # the GPU's lane: a grid not seen before (a new image size) took 37.7 ms at d1-3B's width on the H200's host
+        # (twenty-third run), and every other request's vision work waited on it.
+        for grid in {crop.grid for crop in image.crops}:
+            self.positions(*grid)
+        return image
 
     def rows(self, image: Lfm2Image, run_options: Any) -> np.ndarray:
         """Vision rows of one image: its crops' rows in crop order (tiles row-major, then the thumbnail)."""
