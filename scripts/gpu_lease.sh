@@ -2,23 +2,26 @@
 # One lease of the GPU machine (../shared/device/README.md) for both families, in as little device time as the
 # onnxruntime-gpu wheel's seven parts allow: the two portable exports, which need no GPU, run on the host's CPU
 # (with the machine's own CPU onnxruntime) while the parts are gathered; each family's CUDA form is added and gated
-# on the GPU as soon as the wheel is installed. The twenty-second run (docs/gpu.md) took 16 calls and about 1,510 s.
+# on the GPU as soon as the wheel is installed. The twenty-second run (docs/gpu.md) took 16 calls and about 1,510 s;
+# the twenty-third, to its first bench, about 810 s.
 #
 # The parts (40 MiB each) and the wheels (14 MiB) cannot travel in one call beside the tree (64 MiB): split the
 # wheels first, here, into .device/w0 (all but the two largest), .device/w1 (uvloop) and .device/w2 (zstandard).
 #   call 0      bash scripts/gpu_lease.sh start            carry .device/ort/part00 .device/w0
-#   calls 1-6   bash scripts/gpu_lease.sh gather K         carry .device/ort/part0K (and .device/wK for K = 1, 2);
-#                                                          K = 6 installs the wheel and the wheels into ~/site
-#   then        bash scripts/gpu_lease.sh wait SECONDS     until both families' forms are written (about 560 s
-#                                                          after start at d3-nano and d1-3B)
+#   calls 1-6   bash scripts/gpu_lease.sh gather K         carry .device/ort/part0K (and .device/wK for K = 1, 2;
+#                                                          .device/ort/SHA256 for K = 6, which checks the wheel
+#                                                          and installs it and the wheels into ~/site)
+#   then        bash scripts/gpu_lease.sh wait SECONDS     until both families' forms are written (d3 558 s,
+#                                                          d1 about 700 s after start at d3-nano and d1-3B)
 #   then        bash scripts/gpu_lease.sh bench STEP...    d1stages d1bench d3text d3mix d1mix, one after another;
 #                                                          RUN and BTAG name the files of a repeated step
-# Between calls the machine stays warm for 30 s only: make them back to back. Results go to ~/res, and to $OUT as
-# one results.tgz (a call brings back at most 8 files).
+# Between calls the machine stays warm for 30 s only: make them back to back, and read results only after the last
+# (the twenty-third run lost its machine, and its serve benches, to a pause of a few minutes spent reading a bench's
+# figures). Results go to ~/res, and to $OUT as one results.tgz (a call brings back at most 8 files).
 # D3_SIZE and D1_SIZE (d3-nano, d1-3B) name the checkpoints' sizes: `tiny` for a dry run of the steps on a CPU
 # machine (HOME pointed at a scratch folder), where everything up to the forms' GPU gates runs. FAMILIES (d3 d1)
-# names the families `start` exports and `wait` waits for: one alone where device time is short (a fresh machine's
-# d1-3B export and form took about 570 s, both families side by side about 700).
+# names the families `start` exports and `wait` waits for; one alone is not much faster (d1-3B's portable export
+# alone took 324 s, 281 s beside d3's).
 set -uo pipefail
 step="$1"; shift
 quiet() {
@@ -86,7 +89,9 @@ gather)
   k=$1
   cp .device/ort/part0"$k" ~/p/ && { [ ! -d .device/w"$k" ] || cp .device/w"$k"/*.whl ~/wheels/; }
   if [ "$k" = 6 ]; then
-    cat ~/p/part0? > "$wheel" && sha256sum "$wheel" && cat .device/ort/SHA256
+    cat ~/p/part0? > "$wheel" || exit 1
+    got=$(sha256sum "$wheel" | cut -d' ' -f1); want=$(cat .device/ort/SHA256 2>/dev/null || echo "$got")
+    [ "$got" = "$want" ] || { echo "the gathered wheel's sha256 $got is not prepare.sh's $want" >&2; exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site "$wheel" ~/wheels/*.whl
     PYTHONPATH=~/site python3 -c "import onnxruntime as o; print(o.__version__, o.get_available_providers())" \
       && touch ~/site/.ready
