@@ -48,6 +48,11 @@ class CallCost:
     def seconds(self, batch: int, length: int) -> float:
         return max(self.floor_s, self.fixed_s + self.token_s * batch * length)
 
+    @property
+    def call_s(self) -> float:
+        """What one more call costs before its tokens: its fixed part, or the floor where that is more."""
+        return max(self.floor_s, self.fixed_s)
+
     def describe(self) -> str:
         floor = f", at least {self.floor_s * 1000:.2f} ms" if self.floor_s > self.fixed_s else ""
         return f"{self.fixed_s * 1000:.2f} ms a call + {self.token_s * 1e6:.2f} us a padded token{floor}"

@@ -128,6 +128,21 @@ def test_d1_reads_short_questions_as_rows_where_a_call_costs_more_than_their_sha
     assert sum(calls) == 6 and max(calls) >= 3, calls  # the short requests' questions shared
 
 
+def test_a_prefill_is_weighed_at_what_a_call_costs_however_the_cost_is_modelled(d1_service):
+    """Whether a d1 request's prefix is prefilled once weighs the tokens it saves against the call it adds: the
+    call's fixed part or, where the model has one (a GPU's launch-bound calls), its floor."""
+    bodies = (body("Charged twice", 3), body("A long thread about a charge. " * 60, 3))
+    prepared = [d1_service.prepare(b) for b in bodies]
+    measured = d1_service.engine.runner.cost
+    try:
+        for cost in (CallCost(fixed_s=6.8e-3, token_s=12.4e-6),
+                     CallCost(fixed_s=1e-9, token_s=12.4e-6, floor_s=6.8e-3)):
+            d1_service.engine.use_call_cost(cost)
+            assert [d1_service.engine.runs_whole(p) for p in prepared] == [False, True]
+    finally:
+        d1_service.engine.use_call_cost(measured)
+
+
 class SlowVision(Recording):
     """The real engine, its vision graph taking a second longer."""
 

@@ -250,14 +250,15 @@ class D1Engine(Engine):
         Several questions run whole only where prefilling their shared prefix once saves more than the call it
         adds: otherwise each question is a row of its own (its whole prompt, exact), in calls shared with other
         requests. With a GPU's launch-bound calls (d1-3B on an H200: 6.8 ms a call, 12.4 us a token), two or three
-        short questions were a prefill and a read of their own: two calls where one shared call does."""
+        short questions were a prefill and a read of their own: two calls where one shared call does. The call
+        added is weighed at its fixed part, or at the cost model's floor where that is more."""
         ids = [p.token_ids for p in prepared.prompts]
         if prepared.media is not None or not all(self.budget.fits(1, len(i)) for i in ids):
             return True
         if len(ids) == 1:
             return False
         cost = self.runner.cost or UNMEASURED_COST
-        return bool((len(ids) - 1) * shared_prefix(ids) * cost.token_s > cost.fixed_s)
+        return bool((len(ids) - 1) * shared_prefix(ids) * cost.token_s > cost.call_s)
 
     def rows(self, prepared: Prepared, encoded: Any) -> list[TextRow]:
         return [TextRow(prompt.token_ids, label_ids=tuple(labels.ids))
