@@ -38,8 +38,9 @@ def attention_bytes(batch: int, length: int, past: int, heads: int) -> int:
 class CallCost:
     """A text-graph call's time, modelled as a fixed part (the weights read once, copies) and a part per padded
     token, and never under a floor: the least any call takes. On a GPU an uncaptured call's floor is its kernel
-    launches, the host's part, which the device's own work hides once the call is large (d1-3B on an H200: 9.3 ms
-    for 256 tokens, 11.2 for 512, then 11.8 us a token more). Fitted at start-up (runtime/batch_sizing.py)."""
+    launches, the host's part, which the device's own work hides once the call is large (d1-3B on an H200: 11.1,
+    9.3 and 11.2 ms for 128, 256 and 512 tokens, then about 11 us a token more). Fitted at start-up
+    (runtime/batch_sizing.py)."""
 
     fixed_s: float
     token_s: float

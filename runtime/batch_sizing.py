@@ -78,7 +78,8 @@ def fit_call_cost(seconds_by_tokens: dict[int, float]) -> CallCost | None:
     sw, sx, st = w.sum(), (w * x).sum(), (w * t).sum()
     sxx, sxt = (w * x * x).sum(), (w * x * t).sum()
     token_s = max(0.0, (sw * sxt - sx * st) / (sw * sxx - sx * sx))
-    return CallCost(fixed_s=max(0.0, (st - token_s * sx) / sw), token_s=token_s, floor_s=points[fastest][1] if falls_first else 0.0)
+    return CallCost(fixed_s=max(0.0, (st - token_s * sx) / sw), token_s=token_s,
+                    floor_s=points[fastest][1] if falls_first else 0.0)
 
 
 def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int = MOST_ROWS,

@@ -113,7 +113,8 @@ def test_an_images_position_tables_are_made_while_it_loads_not_when_the_vision_g
     the vision graph's turn, which every request's images share, finds it made."""
     service = DecisionService(Artifact.load(d1_artifact), EngineOptions(device="cpu"))
     encoder = service.engine.media
-    request, _ = service.validate({"state": "x", "images": [data_url(gradient_png(700, 300))], "questions": {"q": NOUL}})
+    body = {"state": "x", "images": [data_url(gradient_png(700, 300))], "questions": {"q": NOUL}}
+    request, _ = service.validate(body)
     (image,) = service.load_media(request).in_order()
     grids = {crop.grid for crop in image.crops}
     made = encoder.positions.cache_info()
