@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
+from itertools import takewhile
 
 import numpy as np
 
@@ -76,22 +77,25 @@ def _int16_taps(in_size: int, out_size: int, filt: _Filter = BICUBIC) -> tuple[n
 # outputs of a 720p frame shrunk to 576 wide read a window of about 80 inputs for their 10 taps each, and at 32 the
 # products still run at BLAS speed (16 and 64 were slower on the seeds' video frames).
 BLOCK = 32
+# A horizontal pass centres its input this many bytes at a time at most: below the server's mmap threshold.
+CENTRED_BYTES = 960 << 10
 
 
 @dataclass(frozen=True)
 class _Bands:
     """One pass's int16 weights as dense blocks for BLAS products, with the dtype in which they are exact.
 
-    A pass computes clip((2^(p-1) + sum_k w_k v_k) >> p) in int32. With v - 128 in place of v it is
-    128 + floor((sum_k w_k (v_k - 128) + bias) / 2^p), bias = 128 (sum_k w_k - 2^p) + 2^(p-1): every product and
-    partial sum is an integer of magnitude at most 128 sum_k |w_k| + |bias|, so a float32 product whose bound is
-    below 2^24 is exact in any summation order, and float64 (below 2^53) always is; the division by 2^p and the
-    floor are exact too."""
+    A pass computes clip((2^(p-1) + sum_k w_k v_k) >> p, 0, 255) in int32. Its input comes centred (v - 128) and
+    its weights scaled by 2^-p (a power of two: exact), so that it is floor(sum_k w'_k (v_k - 128) + shift) + 128,
+    shift = (128 sum_k w_k + 2^(p-1)) 2^-p - 128. Every product and partial sum, and the sum with the shift, is an
+    integer times 2^-p of magnitude at most 128 sum_k |w_k| + |128 (sum_k w_k - 2^p) + 2^(p-1)| (times 2^-p):
+    below 2^24 a float32 product is exact in any summation order, and float64 (below 2^53) always is; the floor
+    is exact too. The result stays centred for the next pass, and only the last one adds the 128 back."""
 
-    blocks: tuple[tuple[int, int, int, int, np.ndarray], ...]  # (out from, to, in from, to, weights [out, in])
-    bias: np.ndarray  # [out]
-    scale: float  # 2^-p
+    blocks: tuple[tuple[int, int, int, int, np.ndarray], ...]  # (out from, to, in from, to, weights' [out, in])
+    shift: np.ndarray  # [out]
     dtype: type
+    clips: bool  # whether some sum falls outside [0, 255] (only a kernel with negative lobes, or rounded weights)
 
 
 # One video's frames share one size, and photos often do: a size pair's blocks are made once, not per frame.
@@ -99,9 +103,14 @@ class _Bands:
 def _bands(in_size: int, out_size: int, filt: _Filter) -> _Bands:
     index, weights, precision = _int16_taps(in_size, out_size, filt)
     weights = weights.astype(np.int64)
-    bias = 128 * (weights.sum(axis=1) - (1 << precision)) + (1 << (precision - 1))
+    totals, half = weights.sum(axis=1), 1 << (precision - 1)
+    bias = 128 * (totals - (1 << precision)) + half
     bound = 128 * int(np.abs(weights).sum(axis=1).max()) + int(np.abs(bias).max())
     dtype = np.float32 if bound < 1 << 24 else np.float64
+    largest = (half + 255 * np.where(weights > 0, weights, 0).sum(axis=1)) >> precision
+    smallest = (half + 255 * np.where(weights < 0, weights, 0).sum(axis=1)) >> precision
+    clips = bool(largest.max() > 255 or smallest.min() < 0)
+    scale = 2.0 ** -precision
     blocks = []
     for start in range(0, out_size, BLOCK):
         taps, rows = index[start:start + BLOCK], weights[start:start + BLOCK]
@@ -111,50 +120,81 @@ def _bands(in_size: int, out_size: int, filt: _Filter) -> _Bands:
         # The taps past a pixel's window weigh 0 and may fall outside it: clipped into it, they add nothing.
         block = np.zeros((len(rows), hi - lo), dtype=np.int64)
         np.add.at(block, (np.arange(len(rows))[:, None], np.clip(taps - lo, 0, hi - lo - 1)), rows)
-        block = block.astype(dtype)
+        block = (block * scale).astype(dtype)
         block.flags.writeable = False
         blocks.append((start, start + len(rows), lo, hi, block))
-    bias = bias.astype(dtype)
-    bias.flags.writeable = False
-    return _Bands(tuple(blocks), bias, 2.0 ** -precision, dtype)
+    shift = (bias * scale).astype(dtype)
+    shift.flags.writeable = False
+    return _Bands(tuple(blocks), shift, dtype, clips)
 
 
-def _planes(image: np.ndarray) -> np.ndarray:
-    """[H, W, C] -> [C, H, W] uint8 (OpenCV's split: several times numpy's copy of a transposed view)."""
+def _shifted(plane: np.ndarray, by: float, depth: int, dst: np.ndarray | None = None) -> np.ndarray:
+    """A 2-D plane plus `by`, as OpenCV `depth` (saturated to uint8's range if that). addWeighted takes the amount as
+    a number: `add` reads a 1x1 plane as a scalar and the amount as the array."""
     import cv2
 
-    return np.stack(cv2.split(image)) if image.shape[2] > 1 else image.reshape(1, *image.shape[:2])
+    return cv2.addWeighted(plane, 1.0, plane, 0.0, by, dst=dst, dtype=depth)
 
 
-def _centered(planes: np.ndarray, dtype: type) -> np.ndarray:
-    """Values minus 128, in `dtype` and C order (a pass's input; numpy would keep a transposed view's order)."""
-    return np.subtract(planes, 128, dtype=dtype, order="C")
+def _centred(image: np.ndarray, dtype: type) -> np.ndarray:
+    """[rows, W, C] uint8 -> [C, rows, W] values minus 128 in `dtype`, one plane at a time (OpenCV's split and
+    conversion: several times numpy's copy of a transposed view)."""
+    import cv2
+
+    planes = cv2.split(image) if image.shape[2] > 1 else [image[:, :, 0]]
+    out = np.empty((len(planes), *image.shape[:2]), dtype=dtype)
+    depth = cv2.CV_32F if dtype == np.float32 else cv2.CV_64F
+    for plane, dst in zip(planes, out):
+        _shifted(plane, -128.0, depth, dst)
+    return out
 
 
-def _rounded(acc: np.ndarray, bands: _Bands, bias: np.ndarray) -> np.ndarray:
-    """A pass's sums -> its uint8 values in place (as floats): 128 + floor((sum + bias) / 2^p), clipped."""
-    acc += bias
-    acc *= bands.scale
+def _rounded(acc: np.ndarray, shift: np.ndarray, clip: bool) -> np.ndarray:
+    """A pass's sums -> its centred values in place: floor(sum + shift), within [-128, 127] where `clip` (the
+    last pass's are clipped as they become uint8)."""
+    acc += shift
     np.floor(acc, out=acc)
-    acc += 128
-    return np.clip(acc, 0, 255, out=acc)
+    if clip:
+        np.maximum(acc, -128, out=acc)
+        np.minimum(acc, 127, out=acc)
+    return acc
 
 
-def _horizontal(planes: np.ndarray, bands: _Bands) -> np.ndarray:
-    """[C, rows, W] uint8 -> [C, rows, width] rounded values (floats), every channel's rows in one product."""
-    channels, rows, _ = planes.shape
-    out = np.empty((channels * rows, bands.bias.shape[0]), dtype=bands.dtype)
-    for start, stop, lo, hi, block in bands.blocks:
-        np.matmul(_centered(planes[:, :, lo:hi], bands.dtype).reshape(-1, hi - lo), block.T, out=out[:, start:stop])
-    return _rounded(out, bands, bands.bias).reshape(channels, rows, -1)
+def _horizontal(pixels: np.ndarray, bands: _Bands, dtype: type, clip: bool) -> np.ndarray:
+    """[rows, W, C] uint8 -> [C, rows, width] centred values, every channel's rows in one product a block. The
+    input is centred a span of columns at a time, for as many blocks as keep its buffer within CENTRED_BYTES."""
+    rows, _, channels = pixels.shape
+    out = np.empty((channels * rows, bands.shift.shape[0]), dtype=dtype)
+    column_bytes = rows * channels * np.dtype(dtype).itemsize
+    blocks = list(bands.blocks)
+    while blocks:
+        base = blocks[0][2]  # the blocks' windows move right as their outputs do
+        group = list(takewhile(lambda b: (b[3] - base) * column_bytes <= CENTRED_BYTES, blocks)) or blocks[:1]
+        blocks = blocks[len(group):]
+        span = group[-1][3] - base
+        centred = _centred(pixels[:, base:base + span], dtype).reshape(channels * rows, span)
+        for start, stop, lo, hi, block in group:
+            np.matmul(centred[:, lo - base:hi - base], block.T.astype(dtype, copy=False), out=out[:, start:stop])
+    return _rounded(out, bands.shift, clip and bands.clips).reshape(channels, rows, -1)
+
+
+def _put_pixels(out: np.ndarray, planes: np.ndarray) -> None:
+    """[C, rows, W] centred values (integers) -> uint8 [rows, W, C] into `out` (OpenCV: 128 added, interleaved)."""
+    import cv2
+
+    depth_u8 = [_shifted(plane, 128.0, cv2.CV_8U) for plane in planes]
+    if len(depth_u8) == 1:
+        out[:, :, 0] = depth_u8[0]
+    else:
+        cv2.merge(depth_u8, dst=out)
 
 
 def _resize(image: np.ndarray, height: int, width: int, filt: _Filter, rows: range | None = None) -> np.ndarray:
     """Horizontal pass, then vertical, each rounded to uint8 as torch rounds them; an unchanged axis is not
     resampled. The passes are BLAS products (numpy releases the GIL in them, so frames resize in parallel
-    threads), exact by `_Bands`. The image goes in strips, one per block of output rows, so that every buffer
-    stays small enough to come from the heap: a whole frame's would be mapped and faulted in afresh (the server
-    maps buffers of 1 MiB and more), and concurrent faults queue on the process's memory map. With `rows` (whole
+    threads), exact by `_Bands`. The image goes in strips, one per block of output rows, so that the buffers stay
+    small enough to come from the heap: a whole frame's would be mapped and faulted in afresh (the server maps
+    buffers of 1 MiB and more), and concurrent faults queue on the process's memory map. With `rows` (whole
     blocks of BLOCK output rows), only those output rows are made."""
     in_height, in_width = image.shape[:2]
     rows = rows or range(height)
@@ -164,18 +204,17 @@ def _resize(image: np.ndarray, height: int, width: int, filt: _Filter, rows: ran
     out = np.empty((len(rows), width, source.shape[2]), dtype=np.uint8)
     across = _bands(in_width, width, filt) if in_width != width else None
     down = _bands(in_height, height, filt) if in_height != height else None
+    dtype = np.float64 if np.float64 in {b.dtype for b in (across, down) if b is not None} else np.float32
     strips = down.blocks if down is not None else [(r, min(r + BLOCK, height), r, min(r + BLOCK, height), None)
                                                    for r in range(0, height, BLOCK)]
     for start, stop, lo, hi, block in strips:
         if not rows.start <= start < rows.stop:
             continue
-        planes = _planes(source[lo:hi])
-        strip = _horizontal(planes, across) if across is not None else planes
+        strip = (_horizontal(source[lo:hi], across, dtype, clip=down is not None) if across is not None
+                 else _centred(source[lo:hi], dtype))
         if down is not None:
-            centred = (np.subtract(strip, 128, out=strip) if strip.dtype == down.dtype
-                       else _centered(strip, down.dtype))
-            strip = _rounded(np.matmul(block, centred), down, down.bias[start:stop, None])
-        out[start - rows.start:stop - rows.start] = strip.transpose(1, 2, 0)
+            strip = _rounded(np.matmul(block.astype(dtype, copy=False), strip), down.shift[start:stop, None], False)
+        _put_pixels(out[start - rows.start:stop - rows.start], strip)
     return out.reshape(len(rows), width, *image.shape[2:])
 
 

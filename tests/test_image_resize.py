@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from systemone.runtime.blas_threads import SETTER, _openblas_setters, one_blas_thread
+from systemone.runtime import image_transform
 from systemone.runtime.image_transform import BICUBIC, BILINEAR, _bands, resize_bicubic, resize_bilinear
 
 RESIZES = {"bicubic": (resize_bicubic, BICUBIC), "bilinear": (resize_bilinear, BILINEAR)}
@@ -52,6 +53,17 @@ def test_the_seeds_video_frame_and_a_photo_take_float32_products():
     exact range: the fast products."""
     for size, out in [(1280, 576), (720, 320), (4000, 1536), (3000, 1152)]:
         assert _bands(size, out, BICUBIC).dtype == np.float32
+
+
+@pytest.mark.parametrize("mode", list(RESIZES))
+def test_input_centred_a_few_columns_at_a_time_equals_torch(mode, monkeypatch):
+    """A wide image's horizontal pass takes its columns in spans (its buffers below the server's mmap threshold):
+    spans of one block's window each give torch's answer too."""
+    resize, _ = RESIZES[mode]
+    monkeypatch.setattr(image_transform, "CENTRED_BYTES", 1)
+    image = np.random.default_rng(11).integers(0, 256, (97, 1500, 3), dtype=np.uint8)
+    for height, width in [(40, 700), (97, 333), (150, 1700)]:
+        assert np.array_equal(resize(image, height, width), torch_resize(image, height, width, mode))
 
 
 def test_one_axis_and_grey_images():
