@@ -234,7 +234,8 @@ def resize_bilinear(image: np.ndarray, height: int, width: int, rows: range | No
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen smart resize (spec 4.9): multiples of `factor`, area within [min_pixels, max_pixels], Python rounding."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+        ratio = max(height, width) / min(height, width)
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {ratio}")
     return fit_area(height, width, round(height / factor) * factor, round(width / factor) * factor, factor,
                     min_pixels, max_pixels)
 
@@ -286,7 +287,8 @@ def put_frame(rows: np.ndarray, position: int, frame: np.ndarray, patch: int, me
     side = merge * patch
     height = height or band
     view = rows.reshape(-1, height // side, width // side, merge, merge, channels, temporal, patch, patch)
-    blocks = frame.reshape(band // side, merge, patch, width // side, merge, patch, channels).transpose(0, 3, 1, 4, 6, 2, 5)
+    blocks = frame.reshape(band // side, merge, patch, width // side, merge, patch, channels)
+    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
     view[position // temporal, top // side:(top + band) // side, :, :, :, :, position % temporal] = blocks
 
 
