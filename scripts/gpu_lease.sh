@@ -24,15 +24,25 @@
 # alone took 324 s, 281 s beside d3's).
 set -uo pipefail
 step="$1"; shift
+GPU_ENV_DEFINE_ONLY=1 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"  # gpu_install, gpu_package
 quiet() {
   grep -v "falling back\|Writing model\|Loading weights\|torchvision\|UserWarning\|warnings.warn\|W:onnxruntime"
 }
 d3size=${D3_SIZE:-d3-nano}; d1size=${D1_SIZE:-d1-3B}; families=${FAMILIES:-d3 d1}
 d3=~/work/$d3size-noncausal_full_attention; d1=~/work/$d1size--  # gpu_bench.sh's and gpu_serve_bench.sh's folders
-wheel=~/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
 
-chain() {  # FAMILY SIZE MODE FORM: a random-init checkpoint, its portable export on the CPU, then its CUDA form
-  local family=$1 size=$2 mode=$3 form=$4 work=~/work/$2-$3 t0
+plan() {  # FAMILY -> its checkpoint's size, attention mode and CUDA form, and its folder (SIZE-MODE, as above)
+  case $1 in
+  d3) echo "$d3size noncausal_full_attention cuda-fused-mixed $d3" ;;
+  d1) echo "$d1size - cuda-fused $d1" ;;
+  *) echo "unknown family $1" >&2; return 1 ;;
+  esac
+}
+
+chain() {  # FAMILY: a random-init checkpoint, its portable export on the CPU, then its CUDA form
+  local family=$1 size mode form work line t0
+  line=$(plan "$family") || return
+  read -r size mode form work <<< "$line"
   t0=$(date +%s)
   stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
   failed() { stamp "$1 failed"; touch "$work.failed"; return 1; }  # `wait` stops on it, not at its time limit
@@ -68,31 +78,25 @@ PY
 
 case $step in
 start)
+  for family in $families; do plan "$family" > /dev/null || exit 2; done
   mkdir -p ~/p ~/wheels ~/logs ~/work ~/res && cp .device/ort/part00 ~/p/ && cp .device/w0/*.whl ~/wheels/
   rm -f "$d3".done "$d3".failed "$d1".done "$d1".failed
+  # The wheels the exports need before onnxruntime-gpu comes; ~/site gets them again beside it.
   python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site0 ~/wheels/*.whl
   # The chains outlive this call and run through the next ones, whose checkouts replace this one: they read a copy.
   rm -rf ~/repo && mkdir ~/repo && cp -r export runtime models server systemone scripts tests pyproject.toml ~/repo/
-  mkdir -p ~/pkg/systemone && cp ~/repo/systemone/*.py ~/pkg/systemone/
-  for d in export runtime models server; do ln -sfn ~/repo/$d ~/pkg/systemone/$d; done
+  gpu_package ~/repo
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  export -f chain quiet && export families
+  export -f chain plan quiet && export families d3size d1size d3 d1
   for family in $families; do
-    case $family in
-    d3) setsid nohup bash -c "chain d3 $d3size noncausal_full_attention cuda-fused-mixed" > ~/logs/d3.log 2>&1 \
-          < /dev/null & ;;
-    d1) setsid nohup bash -c "chain d1 $d1size - cuda-fused" > ~/logs/d1.log 2>&1 < /dev/null & ;;
-    esac
+    setsid nohup bash -c "chain $family" > ~/logs/"$family".log 2>&1 < /dev/null &
   done
   ;;
 gather)
   k=$1
   cp .device/ort/part0"$k" ~/p/ && { [ ! -d .device/w"$k" ] || cp .device/w"$k"/*.whl ~/wheels/; }
   if [ "$k" = 6 ]; then
-    cat ~/p/part0? > "$wheel" || exit 1
-    got=$(sha256sum "$wheel" | cut -d' ' -f1); want=$(cat .device/ort/SHA256 2>/dev/null || echo "$got")
-    [ "$got" = "$want" ] || { echo "the gathered wheel's sha256 $got is not prepare.sh's $want" >&2; exit 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site "$wheel" ~/wheels/*.whl
+    gpu_install ~/wheels/*.whl || exit 1
     PYTHONPATH=~/site python3 -c "import onnxruntime as o; print(o.__version__, o.get_available_providers())" \
       && touch ~/site/.ready
   fi
@@ -103,7 +107,7 @@ wait)
   finished() {  # every family asked for has its form written, or failed
     local family work
     for family in $families; do
-      work=$([ "$family" = d3 ] && echo "$d3" || echo "$d1")
+      work=$(plan "$family" | cut -d' ' -f4)
       [ -f "$work.done" ] || [ -f "$work.failed" ] || return 1
     done
   }
