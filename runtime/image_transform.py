@@ -255,54 +255,63 @@ def fit_area(height: int, width: int, h_bar: int, w_bar: int, factor: int, min_p
     return h_bar, w_bar
 
 
-def normalize(image: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """uint8 [.., H, W, C] -> float32 (x - 255 mean) / (255 std), the fused rescale+normalize of transformers.
+def _normal_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """[256, C] float32: (x - 255 mean) / (255 std) for every uint8 x, in float32 arithmetic as transformers' fused
+    rescale+normalize computes it pixel by pixel."""
+    mean255 = (np.asarray(mean, dtype=np.float32) * np.float32(255.0)).astype(np.float32)
+    std255 = (np.asarray(std, dtype=np.float32) * np.float32(255.0)).astype(np.float32)
+    return (np.arange(256, dtype=np.float32)[:, None] - mean255) / std255
+
+
+def normalize(image: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], out: np.ndarray | None = None
+              ) -> np.ndarray:
+    """uint8 [.., H, W, C] -> float32 (x - 255 mean) / (255 std), the fused rescale+normalize of transformers;
+    into `out` (C-contiguous float32, as many values) where given.
 
     The same float32 arithmetic, done once for each of the 256 values of each channel, then looked up (OpenCV's
     LUT): the values are the ones computed pixel by pixel, without the float32 copies of the image in between."""
     import cv2
 
-    mean255 = (np.asarray(mean, dtype=np.float32) * np.float32(255.0)).astype(np.float32)
-    std255 = (np.asarray(std, dtype=np.float32) * np.float32(255.0)).astype(np.float32)
-    table = (np.arange(256, dtype=np.float32)[:, None] - mean255) / std255  # [256, C]
     channels = image.shape[-1]
+    table = _normal_table(mean, std).reshape(256, 1, channels)
     pixels = image.reshape(-1, image.shape[-2], channels)  # OpenCV's [rows, cols, channels]
-    return cv2.LUT(pixels, table.reshape(256, 1, channels)).reshape(image.shape)
+    if out is None:
+        return cv2.LUT(pixels, table).reshape(image.shape)
+    cv2.LUT(pixels, table, dst=out.reshape(pixels.shape))
+    return out
 
 
 def rows_shape(frames: int, height: int, width: int, channels: int, patch: int, temporal: int) -> tuple[int, int]:
     """The pixel rows of `frames` frames of height x width (padded to whole temporal groups): [t * h * w,
-    C * temporal * patch * patch] (float32), filled frame by frame with `put_frame`."""
+    C * temporal * patch * patch] (float32), filled frame by frame with `put_normalized`."""
     groups = -(-frames // temporal)
     return groups * (height // patch) * (width // patch), channels * temporal * patch * patch
 
 
-def put_frame(rows: np.ndarray, position: int, frame: np.ndarray, patch: int, merge: int, temporal: int,
-              top: int = 0, height: int | None = None) -> None:
-    """Write one normalized [H, W, C] frame as frame `position` of `rows`, in (temporal group, merge block,
-    in-block) row order and (C, temporal, py, px) column order (spec 4.9): one strided copy, no stacked frames.
-    `frame` may be a band of a frame `height` pixel rows high, starting at row `top` (a multiple of
-    merge x patch)."""
-    band, width, channels = frame.shape
-    side = merge * patch
-    height = height or band
-    view = rows.reshape(-1, height // side, width // side, merge, merge, channels, temporal, patch, patch)
-    blocks = frame.reshape(band // side, merge, patch, width // side, merge, patch, channels)
-    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
-    view[position // temporal, top // side:(top + band) // side, :, :, :, :, position % temporal] = blocks
-
-
 def put_normalized(rows: np.ndarray, positions: range, image: np.ndarray, patch: int, merge: int, temporal: int,
                    mean: tuple[float, ...], std: tuple[float, ...], top: int = 0, height: int | None = None) -> None:
-    """Normalize a uint8 [H, W, C] frame into `rows` as each of frames `positions`, one band of merge x patch pixel
-    rows at a time: a whole normalized frame (2.2 MB for a video frame of 320 x 576) would be mapped and faulted in
-    afresh each time (server/allocator.py), a band comes from the heap. `image` may be the rows of a frame
-    `height` high from row `top` on (a multiple of merge x patch)."""
-    side = merge * patch
+    """Normalize a uint8 [H, W, C] frame into `rows` as each of frames `positions`, in (temporal group, merge block,
+    in-block) row order and (C, temporal, py, px) column order (spec 4.9). One band of merge x patch pixel rows at
+    a time: its bytes reordered into the rows' order (one strided copy), then each channel looked up (`normalize`'s
+    table) straight into its columns of each position, with no float32 copy of the frame. `image` may be the rows
+    of a frame `height` high from row `top` on (a multiple of merge x patch)."""
+    import cv2
+
+    _, width, channels = image.shape
+    side, pixels = merge * patch, patch * patch
+    height = height or image.shape[0]
+    tables = [np.ascontiguousarray(column) for column in _normal_table(mean, std).T]
+    view = rows.reshape(-1, height // side, width // side * merge * merge, channels, temporal, pixels)
     for band_top in range(0, image.shape[0], side):
-        band = normalize(image[band_top:band_top + side], mean, std)
+        band = image[band_top:band_top + side]
+        ordered = np.ascontiguousarray(band.reshape(1, merge, patch, width // side, merge, patch, channels)
+                                       .transpose(0, 3, 1, 4, 6, 2, 5)).reshape(-1, channels, pixels)
+        cells = (top + band_top) // side
         for position in positions:
-            put_frame(rows, position, band, patch, merge, temporal, top + band_top, height or image.shape[0])
+            # [patches of the band, C, py px]: a 2-D view with a row step for each channel.
+            target = view[position // temporal, cells, :, :, position % temporal]
+            for channel in range(channels):
+                cv2.LUT(ordered[:, channel], tables[channel], dst=target[:, channel])
 
 
 # An image's part: this many units of output rows, a unit being whole blocks of the resize and of merge x patch

@@ -253,14 +253,14 @@ def grid_layout(height: int, width: int, config: Lfm2ImageConfig) -> tuple[int, 
 
 
 def _put_patches(out: np.ndarray, offset: int, pixels: np.ndarray, config: Lfm2ImageConfig) -> None:
-    """uint8 [H, W, 3] -> fused rescale/normalize (float32 (x - 255·mean) / (255·std)), cut into patches written to
-    `out` from row `offset` on, in the vision graph's order (a projector cell's factor x factor patches, dh major,
-    cells row-major)."""
+    """uint8 [H, W, 3] -> cut into patches in the vision graph's order (a projector cell's factor x factor patches,
+    dh major, cells row-major), then the fused rescale/normalize (float32 (x - 255·mean) / (255·std)) written to
+    `out` from row `offset` on. The pixels are reordered as bytes, and normalized straight into `out`."""
     patch, factor = config.encoder_patch_size, config.downsample_factor
     ch, cw = pixels.shape[0] // (patch * factor), pixels.shape[1] // (patch * factor)  # cells high and wide
-    normalized = normalize(pixels, config.image_mean, config.image_std)
-    view = out[offset:offset + ch * cw * factor * factor].reshape(ch, cw, factor, factor, patch, patch, 3)
-    view[...] = normalized.reshape(ch, factor, patch, cw, factor, patch, 3).transpose(0, 3, 1, 4, 2, 5, 6)
+    ordered = np.ascontiguousarray(
+        pixels.reshape(ch, factor, patch, cw, factor, patch, 3).transpose(0, 3, 1, 4, 2, 5, 6))
+    normalize(ordered, config.image_mean, config.image_std, out[offset:offset + ch * cw * factor * factor])
 
 
 @dataclass(frozen=True)

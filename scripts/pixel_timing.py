@@ -1,13 +1,15 @@
-"""The antialiased resizes (runtime/image_transform.py) and d1's image processor, timed at the sizes that serving
-meets: a photo capped to d1's 1024x1024 pixels (1182x886) to its 2x2 tiles and its thumbnail, the bench's
-1024x1024 image to its thumbnail, a 720p video frame and the photo to d3's sizes, a 12-megapixel photo to d3's cap.
+"""The pixel work of media requests (runtime/image_transform.py), timed at the sizes that serving meets: the
+antialiased resizes (a photo capped to d1's 1024x1024 pixels, 1182x886, to its 2x2 tiles and its thumbnail; the
+bench's 1024x1024 image to its thumbnail; a 720p video frame and the photo to d3's sizes; a 12-megapixel photo to
+d3's cap), d1's whole image processor, and d3's pixel rows (resize, normalize, rows) of the photo and of a frame.
 With --before FILE (an earlier runtime/image_transform.py, e.g. from `git show REV:runtime/image_transform.py`),
-each case runs with that module and this one in turn, alternating which goes first, and both answers must be equal.
+each case runs with that module and this one in turn, alternating which goes first, and both answers must be equal
+(d1's processor takes only the resize from FILE).
 One thread, no worker processes: the time is the pixel work's own. glibc's allocator as `systemone serve` sets it
 (server/allocator.py: buffers of 1 MiB and more mapped afresh each time; or --default-allocator). Median and
 minimum of --repeats runs, ms.
 
-    python scripts/resize_timing.py [--before FILE] [--repeats 25] [--default-allocator]
+    python scripts/pixel_timing.py [--before FILE] [--repeats 25] [--default-allocator]
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from systemone.runtime import image_transform
 from systemone.runtime.d1 import image_processor
 from systemone.runtime.d1.image_processor import Lfm2ImageConfig, cap_pixels, lfm2_image
 from systemone.server.allocator import release_freed_memory
+
+
+D3_PATCH, D3_MERGE, D3_TEMPORAL = 16, 2, 2  # Qwen3.5's vision tower (d3)
+D3_MEAN = D3_STD = (0.5, 0.5, 0.5)
 
 
 def load_before(path: Path) -> ModuleType:
@@ -52,6 +58,12 @@ def cases() -> list[tuple[str, Callable[[ModuleType], np.ndarray]]]:
         finally:
             image_processor.resize_bilinear = image_transform.resize_bilinear
 
+    def d3_frame_rows(module: ModuleType, frame: np.ndarray) -> np.ndarray:
+        rows = np.zeros(module.rows_shape(1, 320, 576, 3, D3_PATCH, D3_TEMPORAL), dtype=np.float32)  # one frame of two
+        module.put_normalized(rows, range(1), module.resize_bicubic(frame, 320, 576), D3_PATCH, D3_MERGE,
+                              D3_TEMPORAL, D3_MEAN, D3_STD)
+        return rows
+
     return [
         ("d1 bilinear 1182x886 -> 1024x1024 (2x2 tiles)", lambda m: m.resize_bilinear(photo, 1024, 1024)),
         ("d1 bilinear 1182x886 -> 608x448 (thumbnail)", lambda m: m.resize_bilinear(photo, 448, 608)),
@@ -61,6 +73,9 @@ def cases() -> list[tuple[str, Callable[[ModuleType], np.ndarray]]]:
         ("d3 bicubic 4000x3000 -> 1536x1152 (12 MP photo)", lambda m: m.resize_bicubic(large, 1152, 1536)),
         ("d1 processor, 1182x886 photo", lambda m: d1_processor(m, photo)),
         ("d1 processor, 1024x1024 image", lambda m: d1_processor(m, square)),
+        ("d3 pixel rows, 1182x886 photo", lambda m: m.qwen_image(photo, D3_PATCH, D3_MERGE, D3_TEMPORAL, D3_MEAN,
+                                                                 D3_STD, 65_536, 1_638_400)[0]),
+        ("d3 pixel rows, 720p video frame", lambda m: d3_frame_rows(m, frame)),
     ]
 
 
