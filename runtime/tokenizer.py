@@ -3,13 +3,57 @@
 The export writes the tokenizer the reference builds (for d3, transformers' Qwen3.5 rebuild: NFC + the Qwen3.5
 split regex), so the runtime loads it as it is. Prompts are encoded in one piece without added special tokens;
 special tokens written in the text are matched, as vLLM matches them.
+
+A request's prompts share their start (the state), so `encode_sharing` takes the first prompt's ids for that
+start and encodes only the rest of each: exact where the tokenizer's pieces are local (docs/tokenization.md).
 """
 
 from __future__ import annotations
 
+import json
+import string
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+# The split patterns of LFM2 (d1) and Qwen3.5 (d3). In either, an ASCII letter or digit followed by ASCII punctuation
+# is a boundary between pieces, and no piece before it depends on text more than two characters after it.
+LOCAL_SPLITS = frozenset({
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+})
+BEFORE, AFTER = frozenset(string.ascii_letters + string.digits), frozenset(string.punctuation)
+# How far back from where the prompts part a shared start is looked for; past it each prompt is encoded whole.
+SEARCH_CHARS = 256
+
+
+def _local_pieces(config: dict) -> bool:
+    """Whether a tokenizer.json is one whose pieces `encode_sharing` may cut: no normalizer or NFC (an ASCII
+    character composes with nothing), one of LOCAL_SPLITS then byte-level without its own regex, BPE without
+    dropout."""
+    pre = config.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    return (config.get("normalizer") in (None, {"type": "NFC"})
+            and len(steps) == 2
+            and steps[0].get("type") == "Split" and steps[0].get("behavior") == "Isolated"
+            and not steps[0].get("invert") and steps[0].get("pattern", {}).get("Regex") in LOCAL_SPLITS
+            and steps[1].get("type") == "ByteLevel" and not steps[1].get("use_regex")
+            and not steps[1].get("add_prefix_space")
+            and config.get("model", {}).get("type") == "BPE" and config["model"].get("dropout") is None)
+
+
+def _common_start(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if a[:middle] == b[:middle] else (low, middle)
+    return low
 
 
 class PromptTokenizer:
@@ -17,12 +61,37 @@ class PromptTokenizer:
         self._tokenizer = Tokenizer.from_file(str(path))
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+        # Whether `encode_sharing` cuts (where exact); False encodes every text whole (timing's reference).
+        self.share_starts = _local_pieces(config)
+        # An added token is matched across a cut only if it spans it: a cut this far inside the shared start has
+        # the same added tokens around it in every prompt.
+        self._margin = max((len(t["content"]) for t in config.get("added_tokens", [])), default=0) + 3
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_sharing(self, head: str, head_ids: Sequence[int], texts: Sequence[str]) -> list[list[int]]:
+        """The ids of `texts`, as `encode_batch` gives them, where `head_ids` are `head`'s. Texts that start as
+        `head` does take `head_ids` up to a cut in that start (an ASCII letter or digit, then ASCII punctuation,
+        far enough from where they part) and are encoded only from there; the cut is used where `head`'s own ids
+        end with its rest's encoding, that is where it falls between two of `head`'s tokens."""
+        if not self.share_starts or not texts:
+            return self.encode_batch(list(texts))
+        shared = min(_common_start(head, text) for text in texts) - self._margin
+        cut = next((c for c in range(shared, max(shared - SEARCH_CHARS, 0), -1)
+                    if head[c - 1] in BEFORE and head[c] in AFTER), None)
+        if cut is None:
+            return self.encode_batch(list(texts))
+        rest = self.encode(head[cut:])
+        kept = len(head_ids) - len(rest)
+        if kept <= 0 or list(head_ids[kept:]) != rest:
+            return self.encode_batch(list(texts))
+        start = list(head_ids[:kept])
+        return [start + ids for ids in self.encode_batch([text[cut:] for text in texts])]
 
     def token_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)

@@ -72,8 +72,9 @@ class Workload(ABC):
     def torch_batch(self, model: Any, ids: np.ndarray) -> np.ndarray:
         """The same numbers from the torch model (`model`: the reference's, moved to a device and dtype)."""
 
+    @staticmethod
     @abstractmethod
-    def requests(self) -> dict[str, Callable[[int], dict[str, Any]]]:
+    def requests() -> dict[str, Callable[[int], dict[str, Any]]]:
         """Whole-request kinds: name -> the i-th request body."""
 
 
@@ -100,7 +101,8 @@ class D3Workload(Workload):
                 logits = logits + ref.readout_bias.to(device)
         return logits.cpu().numpy()
 
-    def requests(self) -> dict[str, Callable[[int], dict[str, Any]]]:
+    @staticmethod
+    def requests() -> dict[str, Callable[[int], dict[str, Any]]]:
         def one(i: int) -> dict[str, Any]:
             # A new prompt length every time: the runtime must not depend on having seen a shape.
             return {"state": {"ticket": "x " * (40 + i), "tier": "gold"},
@@ -134,7 +136,8 @@ class D1Workload(Workload):
             logits = model(input_ids=torch.from_numpy(ids).to(device), logits_to_keep=1).logits[:, -1].float()
         return torch.log_softmax(logits, dim=-1)[:, self.labels].cpu().numpy()
 
-    def requests(self) -> dict[str, Callable[[int], dict[str, Any]]]:
+    @staticmethod
+    def requests() -> dict[str, Callable[[int], dict[str, Any]]]:
         from .export.d1.answer_parity import sixteen_questions
         from .export.sample_media import image_url
 

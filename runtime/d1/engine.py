@@ -173,7 +173,7 @@ class D1Engine(Engine):
         texts = render_texts(self.artifact.template, self.family, request, questions,
                              lambda question, length: self._check_characters(length),
                              self.max_model_len * self.max_chars_per_token, check_first)
-        return Tokenized(texts, [first, *self.tokenizer.encode_batch(texts[1:])])
+        return Tokenized(texts, [first, *self.tokenizer.encode_sharing(texts[0], first, texts[1:])])
 
     def prepare(self, request: DecisionRequest, questions: list[Question],
                 images: LoadedMedia[Lfm2Image] | None = None, draft: Tokenized | None = None) -> Prepared:

@@ -83,7 +83,8 @@ class D3Engine(Engine):
             first = tokenizer.encode(texts[0])
             self._check_tokens(questions[0], len(first))
             prompts = [RenderedPrompt(q, t, ids, text_positions(len(ids)))
-                       for q, t, ids in zip(questions, texts, [first, *tokenizer.encode_batch(texts[1:])])]
+                       for q, t, ids in zip(questions, texts,
+                                            [first, *tokenizer.encode_sharing(texts[0], first, texts[1:])])]
             prepared_media = None
         else:
             # Spec 4.8: the first prompt is split after its last <|vision_end|>; that media prefix, tokenized
@@ -95,7 +96,7 @@ class D3Engine(Engine):
             prefix = expand_media(tokenizer.encode(texts[0][:split]), layouts, tokenizer.encode, tokenizer.token_id)
             first = tokenizer.encode(texts[0][split:])
             self._check_tokens(questions[0], len(prefix.ids) + len(first))
-            tails = [first, *tokenizer.encode_batch([t[split:] for t in texts[1:]])]
+            tails = [first, *tokenizer.encode_sharing(texts[0][split:], first, [t[split:] for t in texts[1:]])]
             prompts = []
             for question, text, tail in zip(questions, texts, tails):
                 ids = prefix.ids + tail
