@@ -45,15 +45,18 @@ def _local_pieces(config: dict) -> bool:
             and config.get("model", {}).get("type") == "BPE" and config["model"].get("dropout") is None)
 
 
-def _common_start(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+def _common_start(a: str, b: str, step: int = 4096) -> int:
+    """Characters `a` and `b` start with alike: equal spans of `step` skipped, then the differing one halved."""
+    n, low = min(len(a), len(b)), 0
+    while low < n and a[low:low + step] == b[low:low + step]:
+        low += step
+    if low >= n:
         return n
-    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    high = min(low + step, n)  # a[low:high] != b[low:high]
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if a[:middle] == b[:middle] else (low, middle)
-    return low
+        low, high = (middle, high) if a[low:middle] == b[low:middle] else (low, middle)
+    return low if a[low] != b[low] else high
 
 
 class PromptTokenizer:
