@@ -45,8 +45,9 @@ def _local_pieces(config: dict) -> bool:
             and config.get("model", {}).get("type") == "BPE" and config["model"].get("dropout") is None)
 
 
-def _common_start(a: str, b: str, step: int = 4096) -> int:
-    """Characters `a` and `b` start with alike: equal spans of `step` skipped, then the differing one halved."""
+def common_start(a: Sequence, b: Sequence, step: int = 4096) -> int:
+    """How many items two texts (or id lists) start with alike: equal spans of `step` skipped, then the differing
+    one halved (slices compare in C)."""
     n, low = min(len(a), len(b)), 0
     while low < n and a[low:low + step] == b[low:low + step]:
         low += step
@@ -84,7 +85,7 @@ class PromptTokenizer:
         end with its rest's encoding, that is where it falls between two of `head`'s tokens."""
         if not self.share_starts or not texts:
             return self.encode_batch(list(texts))
-        shared = min(_common_start(head, text) for text in texts) - self._margin
+        shared = min(common_start(head, text) for text in texts) - self._margin
         cut = next((c for c in range(shared, max(shared - SEARCH_CHARS, 0), -1)
                     if head[c - 1] in BEFORE and head[c] in AFTER), None)
         if cut is None:

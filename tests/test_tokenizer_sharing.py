@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from systemone.runtime.tokenizer import PromptTokenizer, _common_start
+from systemone.runtime.tokenizer import PromptTokenizer, common_start
 
 # Characters that stress a cut: letters and digits next to punctuation, runs of spaces and newlines, apostrophes
 # before contraction letters, combining marks and Hangul jamo (which NFC composes), other scripts, emoji, and the
@@ -94,10 +94,10 @@ def test_a_tokenizer_with_another_split_is_encoded_whole(tokenizer_json, tmp_pat
 
 
 @pytest.mark.parametrize("step", [1, 3, 4096])
-def test_the_common_start_of_two_texts(step):
+def test_thecommon_start_of_two_texts(step):
     rng = random.Random(step)
     for _ in range(3000):
         a = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
         b = a[:rng.randrange(len(a) + 1)] + "".join(rng.choice("ab") for _ in range(rng.randrange(0, 8)))
         expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert _common_start(a, b, step) == expected, (a, b)
+        assert common_start(a, b, step) == expected, (a, b)

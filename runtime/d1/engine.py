@@ -27,6 +27,7 @@ from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
 from ..session import GraphSession
+from ..tokenizer import common_start
 from .image_processor import Lfm2Image, Lfm2ImageConfig, placeholder_text
 from .images import D1ImageEncoder, expand_images, media_rows
 from .state import UNMEASURED_COST, D1TextRunner, StateLayout
@@ -50,12 +51,7 @@ class Tokenized:
 def shared_prefix(prompts: list[list[int]]) -> int:
     """Tokens every prompt starts with, leaving each at least its last token to read."""
     shortest = min(len(p) for p in prompts)
-    first = np.asarray(prompts[0][:shortest])
-    length = shortest
-    for other in prompts[1:]:
-        differ = np.flatnonzero(first[:length] != np.asarray(other[:length]))
-        if len(differ):
-            length = int(differ[0])
+    length = min((common_start(prompts[0], other, 512) for other in prompts[1:]), default=shortest)
     return min(length, shortest - 1)
 
 
