@@ -4,7 +4,7 @@ crops and run through the vision graph once each, whatever the number of questio
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -100,7 +100,7 @@ def _crop_patches(images: list[Lfm2Image], group: list[tuple[int, int]]) -> np.n
     return np.stack([images[m].crops[i].patches for m, i in group])
 
 
-def expand_images(ids: list[int], image_token_id: int, placeholders: list[list[int]]) -> list[int]:
+def expand_images(ids: list[int], image_token_id: int, placeholders: Sequence[Sequence[int]]) -> list[int]:
     """Each `<image>` token of a prompt replaced by its image's placeholder ids (spec 3.4, 3.8 step 4); `ids` holds
     one `<image>` a placeholder (the caller checked). Found by `list.index` and spliced: a Python loop over every
     token took 1.8 ms for the bench's 16 prompts of 2,200 tokens on two cores."""
