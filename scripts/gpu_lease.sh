@@ -13,7 +13,7 @@
 #                                                          and installs it and the wheels into ~/site)
 #   then        bash scripts/gpu_lease.sh wait SECONDS     until both families' forms are written (d3 558 s,
 #                                                          d1 about 700 s after start at d3-nano and d1-3B)
-#   then        bash scripts/gpu_lease.sh bench STEP...    d1stages d1bench d3text d3mix d1mix, one after another;
+#   then        bash scripts/gpu_lease.sh bench STEP...    d1stages d1prompts d1bench d3text d3mix d1mix, in turn;
 #                                                          RUN and BTAG name the files of a repeated step
 # Between calls the machine stays warm for 30 s only: make them back to back, and read results only after the last
 # (the twenty-third run lost its machine, and its serve benches, to a pause of a few minutes spent reading a bench's
@@ -123,6 +123,9 @@ bench)
     d1stages)
       python3 ~/repo/scripts/d1_request_stages.py $d1/artifact --device cuda --requests 10 --gpu-kernels 2>&1 | quiet \
         | tee ~/res/d1_request_stages.txt ;;
+    d1prompts)  # the prompts' shared start tokenized once against every prompt whole, alternating, on this host
+      python3 ~/repo/scripts/prompt_timing.py $d1/artifact --device cuda --repeats 20 2>&1 | quiet \
+        | tee ~/res/d1_prompt_timing.txt ;;
     d1bench)
       python3 -m systemone.cli bench $d1/checkpoint --artifact $d1/artifact --device cuda --forms cuda-fused \
         --batches 1 --lengths 200 --repeats 5 --request-repeats 20 --torch-dtypes bfloat16 \
