@@ -27,8 +27,8 @@ import numpy as np
 from systemone.runtime import image_transform
 from systemone.runtime.d1 import image_processor
 from systemone.runtime.d1.image_processor import Lfm2ImageConfig, cap_pixels, lfm2_image
+from systemone.runtime.d3.media import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS
 from systemone.server.allocator import release_freed_memory
-
 
 D3_PATCH, D3_MERGE, D3_TEMPORAL = 16, 2, 2  # Qwen3.5's vision tower (d3)
 D3_MEAN = D3_STD = (0.5, 0.5, 0.5)
@@ -36,7 +36,7 @@ D3_MEAN = D3_STD = (0.5, 0.5, 0.5)
 
 def load_before(path: Path) -> ModuleType:
     """FILE as a module of the runtime package, so that its relative imports resolve."""
-    spec = importlib.util.spec_from_file_location("systemone.runtime._resize_before", path)
+    spec = importlib.util.spec_from_file_location("systemone.runtime._image_transform_before", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -59,7 +59,8 @@ def cases() -> list[tuple[str, Callable[[ModuleType], np.ndarray]]]:
             image_processor.resize_bilinear = image_transform.resize_bilinear
 
     def d3_frame_rows(module: ModuleType, frame: np.ndarray) -> np.ndarray:
-        rows = np.zeros(module.rows_shape(1, 320, 576, 3, D3_PATCH, D3_TEMPORAL), dtype=np.float32)  # one frame of two
+        # One frame of a temporal pair: the other's columns stay zero in both modules' rows.
+        rows = np.zeros(module.rows_shape(1, 320, 576, 3, D3_PATCH, D3_TEMPORAL), dtype=np.float32)
         module.put_normalized(rows, range(1), module.resize_bicubic(frame, 320, 576), D3_PATCH, D3_MERGE,
                               D3_TEMPORAL, D3_MEAN, D3_STD)
         return rows
@@ -74,7 +75,7 @@ def cases() -> list[tuple[str, Callable[[ModuleType], np.ndarray]]]:
         ("d1 processor, 1182x886 photo", lambda m: d1_processor(m, photo)),
         ("d1 processor, 1024x1024 image", lambda m: d1_processor(m, square)),
         ("d3 pixel rows, 1182x886 photo", lambda m: m.qwen_image(photo, D3_PATCH, D3_MERGE, D3_TEMPORAL, D3_MEAN,
-                                                                 D3_STD, 65_536, 1_638_400)[0]),
+                                                                 D3_STD, IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)[0]),
         ("d3 pixel rows, 720p video frame", lambda m: d3_frame_rows(m, frame)),
     ]
 
