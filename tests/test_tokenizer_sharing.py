@@ -94,7 +94,7 @@ def test_a_tokenizer_with_another_split_is_encoded_whole(tokenizer_json, tmp_pat
 
 
 @pytest.mark.parametrize("step", [1, 3, 4096])
-def test_thecommon_start_of_two_texts(step):
+def test_the_common_start_of_two_texts(step):
     rng = random.Random(step)
     for _ in range(3000):
         a = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
