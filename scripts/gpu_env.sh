@@ -1,7 +1,8 @@
 # Sourced by the GPU scripts on the lent machine (see ../shared/device/README.md). It defines
 #   gpu_install WHEEL...  the gathered onnxruntime-gpu parts (~/p/part0?) joined into one wheel, checked against
 #                         .device/ort/SHA256 where that was carried, and installed with WHEELs into ~/site, once
-#   gpu_package REPO      the package mapping (export/ runtime/ models/ server/ -> systemone.*) as links in ~/pkg
+#   gpu_package REPO [PKG]  the package mapping (export/ runtime/ models/ server/ -> systemone.*) as links in PKG
+#                         (default ~/pkg)
 # and, unless GPU_ENV_DEFINE_ONLY is set, runs both for this checkout and puts ~/site, ~/pkg and it on PYTHONPATH.
 ORT_WHEEL=~/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
 
@@ -15,9 +16,9 @@ gpu_install() {
 }
 
 gpu_package() {
-  mkdir -p ~/pkg/systemone && cp "$1"/systemone/*.py ~/pkg/systemone/
-  local d
-  for d in export runtime models server; do ln -sfn "$1/$d" ~/pkg/systemone/$d; done
+  local d pkg=${2:-~/pkg}
+  mkdir -p "$pkg"/systemone && cp "$1"/systemone/*.py "$pkg"/systemone/
+  for d in export runtime models server; do ln -sfn "$1/$d" "$pkg"/systemone/$d; done
 }
 
 if [ -z "${GPU_ENV_DEFINE_ONLY:-}" ]; then

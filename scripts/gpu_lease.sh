@@ -10,10 +10,13 @@
 #   call 0      bash scripts/gpu_lease.sh start            carry .device/ort/part00 .device/w0
 #   calls 1-6   bash scripts/gpu_lease.sh gather K         carry .device/ort/part0K (and .device/wK for K = 1, 2;
 #                                                          .device/ort/SHA256 for K = 6, which checks the wheel
-#                                                          and installs it and the wheels into ~/site)
+#                                                          and installs it and the wheels into ~/site; and
+#                                                          .device/old, an earlier revision's package, for
+#                                                          d1before: `git archive REV export runtime models server
+#                                                          systemone scripts pyproject.toml | tar -x -C .device/old`)
 #   then        bash scripts/gpu_lease.sh wait SECONDS     until both families' forms are written (d3 558 s,
 #                                                          d1 about 700 s after start at d3-nano and d1-3B)
-#   then        bash scripts/gpu_lease.sh bench STEP...    d1stages d1prompts d1bench d3text d3mix d1mix, in turn;
+#   then        bash scripts/gpu_lease.sh bench STEP...    d1stages d1prompts d1bench d1before d3text d3mix d1mix;
 #                                                          RUN and BTAG name the files of a repeated step
 # Between calls the machine stays warm for 30 s only: make them back to back, and read results only after the last
 # (the twenty-third run lost its machine, and its serve benches, to a pause of a few minutes spent reading a bench's
@@ -95,6 +98,9 @@ start)
 gather)
   k=$1
   cp .device/ort/part0"$k" ~/p/ && { [ ! -d .device/w"$k" ] || cp .device/w"$k"/*.whl ~/wheels/; }
+  if [ -d .device/old ]; then  # the baseline d1before runs, on this machine's cards
+    rm -rf ~/repo_old && cp -r .device/old ~/repo_old && gpu_package ~/repo_old ~/pkg_old
+  fi
   if [ "$k" = 6 ]; then
     gpu_install ~/wheels/*.whl || exit 1
     PYTHONPATH=~/site python3 -c "import onnxruntime as o; print(o.__version__, o.get_available_providers())" \
@@ -126,10 +132,12 @@ bench)
     d1prompts)  # the prompts' shared start tokenized once against every prompt whole, alternating, on this host
       python3 ~/repo/scripts/prompt_timing.py $d1/artifact --device cuda --repeats 20 2>&1 | quiet \
         | tee ~/res/d1_prompt_timing.txt ;;
-    d1bench)
-      python3 -m systemone.cli bench $d1/checkpoint --artifact $d1/artifact --device cuda --forms cuda-fused \
-        --batches 1 --lengths 200 --repeats 5 --request-repeats 20 --torch-dtypes bfloat16 \
-        --out ~/res/d1_bench_"${BTAG:-a}".json 2>&1 | quiet | grep -v '^ \|^{\|^}' ;;
+    d1bench|d1before)  # d1before: the same bench with the earlier revision's package (gather's .device/old)
+      tag=$([ "$what" = d1bench ] && echo "${BTAG:-a}" || echo "before_${BTAG:-a}")
+      path=$([ "$what" = d1bench ] && echo "$PYTHONPATH" || echo ~/site:~/pkg_old:~/repo_old)
+      PYTHONPATH=$path python3 -m systemone.cli bench $d1/checkpoint --artifact $d1/artifact --device cuda \
+        --forms cuda-fused --batches 1 --lengths 200 --repeats 5 --request-repeats 20 --torch-dtypes bfloat16 \
+        --out ~/res/d1_bench_"$tag".json 2>&1 | quiet | grep -v '^ \|^{\|^}' ;;
     d3text)  # start-up's rows a call against --max-batch-rows 32, alternating
       for i in 1 2; do
         OUT=~/res bash ~/repo/scripts/event_loop_cost.sh $d3/artifact cuda "measured_${RUN:-a}$i" 12 | tail -1
