@@ -1,6 +1,6 @@
 """Decoding fetched bytes into RGB frames (spec 3.8 step 1, 4.8): Pillow with a format allow-list, dimensions
-read from the header and refused before the pixels are decoded, EXIF orientation applied, transparency
-composited onto white."""
+read from the header and refused before the pixels are decoded, a PNG's data inflated by libdeflate
+(png_inflate.py), EXIF orientation applied, transparency composited onto white."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .media_allowance import MediaAllowance
 from .media_fetch import MediaError
+from .png_inflate import stored_png
 
 MAX_IMAGE_PIXELS = 178_956_970  # vLLM's VLLM_MAX_IMAGE_PIXELS default
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
@@ -36,6 +37,9 @@ def decode_image(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS,
             raise MediaError(where, f"Image dimensions {width}x{height} are empty")
         if allowance is not None:
             allowance.take_pixels(width * height, where, f"Image {width}x{height}")
+        # Checked and counted from the header above: only now is the image data inflated.
+        if image.format == "PNG" and (stored := stored_png(data)) is not None:
+            image = Image.open(io.BytesIO(stored), formats=("PNG",))
         image.load()
         # In place, and no conversion of an RGB image: both would copy every pixel (a video's frames come here).
         ImageOps.exif_transpose(image, in_place=True)
