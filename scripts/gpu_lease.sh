@@ -5,8 +5,13 @@
 # on the GPU as soon as the wheel is installed. The twenty-second run (docs/gpu.md) took 16 calls and about 1,510 s;
 # the twenty-third, to its first bench, about 810 s.
 #
+# Here, first: the parts and the serving wheels the machine lacks (pyproject.toml's dependencies and theirs), by
+#   bash ../shared/device/prepare.sh fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+#     uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 annotated-types==0.8.0 typing-inspection==0.4.5 click==8.5.1 \
+#     zstandard==0.25.0 opentelemetry-api==1.45.2 annotated-doc==0.0.7 typing_extensions==4.16.0 httptools==0.9.0 \
+#     uvloop==0.23.0 pybase64==1.5.1 deflate==0.9.0
 # The parts (40 MiB each) and the wheels (14 MiB) cannot travel in one call beside the tree (64 MiB): split the
-# wheels first, here, into .device/w0 (all but the two largest), .device/w1 (uvloop) and .device/w2 (zstandard).
+# wheels then into .device/w0 (all but the two largest), .device/w1 (uvloop) and .device/w2 (zstandard).
 #   call 0      bash scripts/gpu_lease.sh start            carry .device/ort/part00 .device/w0
 #   calls 1-6   bash scripts/gpu_lease.sh gather K         carry .device/ort/part0K (and .device/wK for K = 1, 2;
 #                                                          .device/ort/SHA256 for K = 6, which checks the wheel
