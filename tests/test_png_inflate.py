@@ -81,6 +81,26 @@ def test_every_colour_type_and_depth_decodes_to_pillows_pixels(name, monkeypatch
     assert np.array_equal(decoded(png), pillow_decode(png, monkeypatch))
 
 
+# Every colour type and bit depth the PNG specification allows, some of which Pillow cannot write (16-bit RGB).
+DEPTHS = [(0, d) for d in (1, 2, 4, 8, 16)] + [(2, 8), (2, 16), (4, 8), (4, 16), (6, 8), (6, 16)] + \
+    [(3, d) for d in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("colour, depth", DEPTHS)
+def test_rows_of_every_filter_colour_type_and_depth_decode_as_pillow_decodes_them(colour, depth, monkeypatch):
+    width, height = 23, 9
+    row = 1 + (width * {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}[colour] * depth + 7) // 8
+    rows = bytearray(np.random.default_rng(colour * 100 + depth).integers(0, 256, row * height, dtype=np.uint8))
+    rows[::row] = bytes(i % 5 for i in range(height))  # each of the five filters
+    palette = [(b"PLTE", bytes(range(256)) * 3)] if colour == 3 else []
+    png = assembled([(b"IHDR", struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)), *palette,
+                     (b"IDAT", zlib.compress(bytes(rows))), (b"IEND", b"")])
+    assert stored_png(png) is not None
+    ours = decoded(png)
+    assert isinstance(ours, np.ndarray) and ours.shape == (height, width, 3)
+    assert np.array_equal(ours, pillow_decode(png, monkeypatch))
+
+
 def test_the_data_is_stored_uncompressed_and_the_other_chunks_kept_in_place():
     image = IMAGES["rgb noise"]
     png = encoded(image, compress_level=9, pnginfo=None, exif=image.getexif(), dpi=(72, 72))
