@@ -1,7 +1,9 @@
 """Where a PNG's decode goes: the bench's 1024x1024 image (noise, which does not compress; `systemone bench`'s
 image requests) and a screenshot-like 1920x1080 one (flat panels and lines, which compress 50-fold) decoded by the
 runtime (runtime/media_decode.py: libdeflate inflates the data, Pillow unfilters it) and by Pillow alone,
-alternating, beside OpenCV's decode and the two inflates of the data alone. Medians, ms.
+alternating, beside OpenCV's decode and the two inflates of the data alone. Medians, ms. Then how long a thread
+beside the decode waits for the GIL at most, while the bench's PNG is stored again and while zlib inflates it
+(a media worker decodes beside the engine thread).
 
     python scripts/png_decode_timing.py [--repeats 25]
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import base64
 import statistics
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -41,6 +44,20 @@ def pillow_alone(png: bytes) -> np.ndarray:
         return decode_image(png, "images[0]")
     finally:
         media_decode.stored_png = kept
+
+
+def longest_wait(work: Callable[[], object], times: int = 20) -> float:
+    """The longest gap, ms, between two steps of a Python loop on this thread while `work` runs `times` times on
+    another: how long that work keeps the GIL at a stretch."""
+    worker = threading.Thread(target=lambda: [work() for _ in range(times)])
+    longest, last = 0.0, time.perf_counter()
+    worker.start()
+    while worker.is_alive():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+        sum(range(200))
+    worker.join()
+    return longest * 1e3
 
 
 def screenshot() -> bytes:
@@ -96,6 +113,11 @@ def main() -> None:
                                               f"left to Pillow (it inflates over {png_inflate.MAX_INFLATION}-fold)"))
         for name, values in timings.items():
             print(f"  {name}: {statistics.median(values):.2f} (min {min(values):.2f})")
+    png = images["the bench's 1024x1024 PNG of noise"]
+    idat = b"".join(png[start + 8:end - 4] for kind, start, end in _chunks(png) if kind == b"IDAT")
+    print("the longest wait of a thread beside, for the GIL, ms: while the bench's PNG is stored again "
+          f"{longest_wait(lambda: stored_png(png)):.2f}; while zlib inflates its data "
+          f"{longest_wait(lambda: zlib.decompress(idat)):.2f}")
 
 
 if __name__ == "__main__":
