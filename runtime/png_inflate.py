@@ -5,8 +5,7 @@ Pillow inflates a PNG's IDAT stream with zlib, and for a photo or noise that is 
 (`scripts/png_decode_timing.py`; README, "Images and videos"). So `stored_png` inflates the stream with libdeflate
 and hands Pillow the same PNG with that data stored (deflate's uncompressed blocks): Pillow then only copies and
 unfilters the same bytes, so the pixels are the same. Every other chunk is kept as it came, in its place. The
-inflate lets go of the GIL, as zlib's does: a media worker decodes beside the engine thread (the script's last line
-says how long a thread beside waits for it at most).
+inflate lets go of the GIL, as zlib's does: a media worker decodes beside the engine thread.
 
 A PNG this does not fit is decoded as it came: interlaced or animated images, data that does not inflate to exactly
 the size the header implies (a truncated or corrupt stream keeps Pillow's own error), data that inflates more than
