@@ -9,8 +9,10 @@ import io
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +33,17 @@ def encoded(image: Image.Image, fmt: str, **save) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, fmt, **save)
     return buffer.getvalue()
+
+
+def png_chunk(kind: bytes, data: bytes, crc_ok: bool = True) -> bytes:
+    """One PNG chunk: its length, type, data and CRC (0 where `crc_ok` is False)."""
+    crc = zlib.crc32(kind + data) if crc_ok else 0
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+
+def png_file(chunks: list[tuple[bytes, bytes]]) -> bytes:
+    """A PNG of (type, data) chunks, in order, after the signature."""
+    return b"\x89PNG\r\n\x1a\n" + b"".join(png_chunk(kind, data) for kind, data in chunks)
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:

@@ -19,18 +19,14 @@ from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from tests.live_server import live_server
-from tests.media_helpers import CountingServer, data_url, encoded, test_images, write_video
+from tests.media_helpers import CountingServer, data_url, encoded, png_chunk, test_images, write_video
 
 from scripts.vision_fixtures import fixture_image
 
 
 def png_header(width: int, height: int, idat: bytes = b"\x00" * 64, crc_ok: bool = True) -> bytes:
-    def chunk(kind, data, ok=True):
-        crc = zlib.crc32(kind + data) if ok else 0
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0), crc_ok)
-            + chunk(b"IDAT", zlib.compress(idat)) + chunk(b"IEND", b""))
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0), crc_ok)
+            + png_chunk(b"IDAT", zlib.compress(idat)) + png_chunk(b"IEND", b""))
 
 
 def corpus(server_url: str, redirect_url: str) -> list[str]:

@@ -18,7 +18,7 @@ from systemone.runtime.media_decode import decode_image
 from systemone.runtime.media_fetch import FetchPolicy, MediaError, fetch
 from systemone.runtime.media_proxy import ProxySettings
 from systemone.server.errors import http_status
-from tests.media_helpers import TLS_CERTIFICATE, CountingServer, ForwardProxy, test_images
+from tests.media_helpers import TLS_CERTIFICATE, CountingServer, ForwardProxy, png_file, test_images
 
 PNG = test_images()["tiny-50x50.png"]
 
@@ -206,11 +206,8 @@ def test_giant_dimensions_are_refused_before_decoding():
     import struct
     import zlib
 
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(b"\x00" * 100)) + chunk(b"IEND", b""))
+    png = png_file([(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0)),
+                    (b"IDAT", zlib.compress(b"\x00" * 100)), (b"IEND", b"")])
     with pytest.raises(MediaError, match="Image dimensions 30000x30000 .* exceed the maximum of 178956970 pixels"):
         decode_image(png, "images[0]")
 

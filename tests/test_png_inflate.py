@@ -15,12 +15,7 @@ from systemone.runtime import media_decode, png_inflate
 from systemone.runtime.media_decode import decode_image
 from systemone.runtime.media_fetch import MediaError
 from systemone.runtime.png_inflate import stored_png
-
-
-def encoded(image: Image.Image, **options) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG", **options)
-    return buffer.getvalue()
+from tests.media_helpers import encoded, png_file
 
 
 def chunks(png: bytes) -> list[tuple[bytes, bytes]]:
@@ -30,14 +25,6 @@ def chunks(png: bytes) -> list[tuple[bytes, bytes]]:
         found.append((png[at + 4:at + 8], png[at + 8:at + 8 + size]))
         at += 12 + size
     return found
-
-
-def chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-
-def assembled(parts: list[tuple[bytes, bytes]]) -> bytes:
-    return b"\x89PNG\r\n\x1a\n" + b"".join(chunk(kind, body) for kind, body in parts)
 
 
 def pillow_decode(data: bytes, monkeypatch: pytest.MonkeyPatch) -> np.ndarray | str:
@@ -72,7 +59,7 @@ IMAGES = {
 @pytest.mark.parametrize("name", IMAGES)
 def test_every_colour_type_and_depth_decodes_to_pillows_pixels(name, monkeypatch):
     options = {"transparency": 3} if name.startswith("palette") else {}
-    png = encoded(IMAGES[name], **options)
+    png = encoded(IMAGES[name], "PNG", **options)
     stored = stored_png(png)
     assert stored is not None
     before, after = Image.open(io.BytesIO(png)), Image.open(io.BytesIO(stored))
@@ -93,7 +80,7 @@ def test_rows_of_every_filter_colour_type_and_depth_decode_as_pillow_decodes_the
     rows = bytearray(np.random.default_rng(colour * 100 + depth).integers(0, 256, row * height, dtype=np.uint8))
     rows[::row] = bytes(i % 5 for i in range(height))  # each of the five filters
     palette = [(b"PLTE", bytes(range(256)) * 3)] if colour == 3 else []
-    png = assembled([(b"IHDR", struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)), *palette,
+    png = png_file([(b"IHDR", struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)), *palette,
                      (b"IDAT", zlib.compress(bytes(rows))), (b"IEND", b"")])
     assert stored_png(png) is not None
     ours = decoded(png)
@@ -103,27 +90,27 @@ def test_rows_of_every_filter_colour_type_and_depth_decode_as_pillow_decodes_the
 
 def test_the_data_is_stored_uncompressed_and_the_other_chunks_kept_in_place():
     image = IMAGES["rgb noise"]
-    png = encoded(image, compress_level=9, pnginfo=None, exif=image.getexif(), dpi=(72, 72))
+    png = encoded(image, "PNG", compress_level=9, pnginfo=None, exif=image.getexif(), dpi=(72, 72))
     # Split the data over several IDATs and add a text chunk after them, as encoders do.
     parts = chunks(png)
     data = b"".join(body for kind, body in parts if kind == b"IDAT")
     head = [(kind, body) for kind, body in parts if kind not in (b"IDAT", b"IEND")]
     pieces = [(b"IDAT", data[at:at + 1000]) for at in range(0, len(data), 1000)]
-    png = assembled(head + pieces + [(b"tEXt", b"Comment\x00after the data"), (b"IEND", b"")])
+    png = png_file(head + pieces + [(b"tEXt", b"Comment\x00after the data"), (b"IEND", b"")])
     stored = chunks(stored_png(png))
     assert [kind for kind, _ in stored] == [kind for kind, _ in head] + [b"IDAT", b"tEXt", b"IEND"]
     idat = stored[len(head)][1]
     assert zlib.decompress(idat) == zlib.decompress(data)
     assert len(idat) > len(zlib.decompress(data))  # stored blocks: the bytes and their headers
-    assert Image.open(io.BytesIO(assembled(stored))).info == Image.open(io.BytesIO(png)).info
+    assert Image.open(io.BytesIO(png_file(stored))).info == Image.open(io.BytesIO(png)).info
 
 
 def test_an_exif_orientation_after_the_data_is_still_applied(monkeypatch):
     image = Image.fromarray(NOISE[..., :3])
     exif = image.getexif()
     exif[0x0112] = 6  # rotated: the decode turns it upright
-    parts = chunks(encoded(image))
-    png = assembled([p for p in parts if p[0] != b"IEND"] + [(b"eXIf", exif.tobytes()), (b"IEND", b"")])
+    parts = chunks(encoded(image, "PNG"))
+    png = png_file([p for p in parts if p[0] != b"IEND"] + [(b"eXIf", exif.tobytes()), (b"IEND", b"")])
     assert stored_png(png) is not None
     upright = decoded(png)
     assert upright.shape == (53, 37, 3)
@@ -135,7 +122,7 @@ def interlaced() -> bytes:
     # Adam7's seven passes of a 4x4 grey image: rows of 1, 1, 1, 2, 2, 2 and 2 pixels, each with its filter byte.
     passes = [(1, 1), (1, 1), (1, 1), (2, 1), (1, 2), (2, 2), (2, 4)]
     rows = b"".join((b"\x00" + bytes(range(w))) * h for h, w in passes)
-    return assembled([(b"IHDR", header), (b"IDAT", zlib.compress(rows)), (b"IEND", b"")])
+    return png_file([(b"IHDR", header), (b"IDAT", zlib.compress(rows)), (b"IEND", b"")])
 
 
 def animated() -> bytes:
@@ -146,14 +133,14 @@ def animated() -> bytes:
 
 
 def truncated() -> bytes:
-    parts = chunks(encoded(IMAGES["rgb noise"]))
-    return assembled([(k, b[:len(b) // 2] if k == b"IDAT" else b) for k, b in parts])
+    parts = chunks(encoded(IMAGES["rgb noise"], "PNG"))
+    return png_file([(k, b[:len(b) // 2] if k == b"IDAT" else b) for k, b in parts])
 
 
 def interleaved() -> bytes:
-    parts = chunks(encoded(IMAGES["rgb noise"]))
+    parts = chunks(encoded(IMAGES["rgb noise"], "PNG"))
     data = b"".join(body for kind, body in parts if kind == b"IDAT")
-    return assembled([parts[0], (b"IDAT", data[:500]), (b"tEXt", b"a\x00b"), (b"IDAT", data[500:]), parts[-1]])
+    return png_file([parts[0], (b"IDAT", data[:500]), (b"tEXt", b"a\x00b"), (b"IDAT", data[500:]), parts[-1]])
 
 
 @pytest.mark.parametrize("make", [interlaced, animated, truncated, interleaved])
@@ -167,7 +154,7 @@ def test_pngs_it_does_not_fit_go_to_pillow_as_they_came(make, monkeypatch):
 def test_data_that_inflates_many_times_over_is_left_to_pillow(monkeypatch):
     flat = np.full((200, 300, 3), 240, np.uint8)
     flat[::20] = 30
-    png = encoded(Image.fromarray(flat))
+    png = encoded(Image.fromarray(flat), "PNG")
     assert stored_png(png) is None
     assert np.array_equal(decoded(png), pillow_decode(png, monkeypatch))
     monkeypatch.setattr(png_inflate, "MAX_INFLATION", 10 ** 6)
@@ -175,7 +162,7 @@ def test_data_that_inflates_many_times_over_is_left_to_pillow(monkeypatch):
 
 
 def test_images_above_the_bound_are_left_to_pillow(monkeypatch):
-    png = encoded(IMAGES["rgb noise"])
+    png = encoded(IMAGES["rgb noise"], "PNG")
     assert stored_png(png) is not None
     monkeypatch.setattr(png_inflate, "MAX_INFLATED_BYTES", 37 * (1 + 53 * 3) - 1)
     assert stored_png(png) is None
@@ -189,8 +176,8 @@ def test_what_is_not_a_whole_png_is_not_touched(data):
 def test_damaged_pngs_answer_as_pillow_answers_them(monkeypatch):
     """Any byte of the file may be wrong, in the data or around it (the chunks' lengths, types, CRCs, the text after
     the data): decoded with libdeflate first or by Pillow alone, the same pixels or the same error."""
-    parts = chunks(encoded(Image.fromarray(NOISE[:12, :16, :3]), dpi=(72, 72)))
-    png = assembled(parts[:-1] + [(b"tEXt", b"Comment\x00after"), parts[-1]])
+    parts = chunks(encoded(Image.fromarray(NOISE[:12, :16, :3]), "PNG", dpi=(72, 72)))
+    png = png_file(parts[:-1] + [(b"tEXt", b"Comment\x00after"), parts[-1]])
     start = png.index(b"IDAT") + 4
     outside = [at for at in range(8, len(png)) if not start <= at < start + len(parts[-2][1])]
     rng, through = np.random.default_rng(1), 0
