@@ -104,9 +104,10 @@ def main() -> None:
               base64.b64decode(image_url(1024, 1024, seed=7, fmt="PNG").split(",", 1)[1]),
               "a screenshot-like 1920x1080 PNG": screenshot()}
     for title, png in images.items():
-        timings = {name: [] for name in cases(png)}
+        runs = cases(png)
+        timings: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.repeats):  # the cases alternate, so a slow moment of the machine falls on all of them
-            for name, run in cases(png).items():
+            for name, run in runs.items():
                 timings[name].append(timed(run))
         inflates = len(stored_png(png) or b"") or None
         print(f"{title}: {len(png):,} B; " + ("stored again by the runtime" if inflates else
