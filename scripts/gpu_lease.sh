@@ -139,7 +139,7 @@ bench)
         | tee ~/res/d1_prompt_timing.txt ;;
     d1bench|d1before)  # d1before: the same bench with the earlier revision's package (gather's .device/old)
       tag=$([ "$what" = d1bench ] && echo "${BTAG:-a}" || echo "before_${BTAG:-a}")
-      path=$([ "$what" = d1bench ] && echo "$PYTHONPATH" || echo ~/site:~/pkg_old:~/repo_old)
+      path=$([ "$what" = d1bench ] && echo "$PYTHONPATH" || echo "$HOME/site:$HOME/pkg_old:$HOME/repo_old")
       PYTHONPATH=$path python3 -m systemone.cli bench $d1/checkpoint --artifact $d1/artifact --device cuda \
         --forms cuda-fused --batches 1 --lengths 200 --repeats 5 --request-repeats 20 --torch-dtypes bfloat16 \
         --out ~/res/d1_bench_"$tag".json 2>&1 | quiet | grep -v '^ \|^{\|^}' ;;
