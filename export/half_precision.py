@@ -109,6 +109,33 @@ def rotary_angles(graph) -> set[str]:
     return found
 
 
+def recurrent_state_paths(graph) -> set[str]:
+    """Names of the nodes that carry a GatedDeltaNet node's state between the graph's inputs and outputs (a causal
+    d3 graph's past_recurrent_i in, broadcast to the rows, and new_recurrent_i out): the state is fp32 by the op's
+    contract, and an fp16 round trip on its way in or out would round what the prefix left for its suffixes."""
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    found: set[str] = set()
+    rules = [node for node in graph.node if node.op_type == "GatedDeltaNet"]
+    stack = [node.input[6] for node in rules if len(node.input) > 6]  # initial_state, back to the inputs
+    while stack:
+        node = producer.get(stack.pop())
+        if node is not None and node.name not in found:
+            found.add(node.name)
+            if node.op_type not in ("Shape", "ConstantOfShape"):  # a shape's source is not the state's
+                stack.append(node.input[0])  # the data; an Expand's or Reshape's second input is a shape
+    stack = [node.output[1] for node in rules if len(node.output) > 1 and node.output[1]]  # final_state, onwards
+    while stack:
+        for node in consumers.get(stack.pop(), []):
+            if node.name not in found:
+                found.add(node.name)
+                stack.extend(node.output)
+    return found
+
+
 def readout_tail(graph, outputs: Iterable[str]) -> set[str]:
     """Names of the nodes between each of `outputs` and the MatMul/Gemm that produces it (that MatMul included)."""
     producer = {out: node for node in graph.node for out in node.output}
@@ -217,7 +244,8 @@ def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], pre
     blocked_ops = {*DEFAULT_OP_BLOCK_LIST, *FP32_OPS}
     weights = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     halved = precision.half_nodes(model.graph, blocked_ops) - rotary_angles(model.graph)
-    kept = keep | {node.name for node in model.graph.node if node.name not in halved}
+    kept = (keep | recurrent_state_paths(model.graph)
+            | {node.name for node in model.graph.node if node.name not in halved})
     fp32_weights = {}  # the readout's weights, as they were: the converter would store them in fp16
     for node in model.graph.node:
         for name in node.input if node.name in keep else ():

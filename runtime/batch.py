@@ -59,6 +59,12 @@ class CallCost:
         return f"{self.fixed_s * 1000:.2f} ms a call + {self.token_s * 1e6:.2f} us a padded token{floor}"
 
 
+# Before start-up measures a call (or where nothing does: export's gates, `ask`): a call's fixed part worth 32
+# padded tokens, so a 26-option choice's suffix and a yes/no's go in separate calls, as on a CPU, and a prefix is read
+# once for several questions where it saves more than that.
+UNMEASURED_COST = CallCost(fixed_s=32e-6, token_s=1e-6)
+
+
 @dataclass(frozen=True)
 class BatchBudget:
     max_batch_tokens: int = MAX_BATCH_TOKENS

@@ -49,6 +49,14 @@ def _local_pieces(tokenizer: Tokenizer) -> bool:
             and isinstance(tokenizer.model, models.BPE) and tokenizer.model.dropout is None)
 
 
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least its last token to read (a causal family's prefix
+    read once for a request's questions)."""
+    shortest = min(len(p) for p in prompts)
+    length = min((common_start(prompts[0], other, 512) for other in prompts[1:]), default=shortest)
+    return min(length, shortest - 1)
+
+
 def common_start(a: Sequence, b: Sequence, step: int = 4096) -> int:
     """How many items two texts (or id lists) start with alike: equal spans of `step` skipped, then the differing
     one halved (slices compare in C)."""

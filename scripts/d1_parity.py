@@ -36,7 +36,7 @@ def time_prefix_reuse(service, reference, body: dict[str, Any], repeats: int = 5
     reuse = median_seconds(lambda: onnx_reads(service, prepared, reuse_prefix=True), repeats)
     whole = median_seconds(lambda: onnx_reads(service, prepared, reuse_prefix=False), repeats)
     torch_s = median_seconds(torch_run, max(1, repeats // 2))
-    from systemone.runtime.d1.engine import shared_prefix
+    from systemone.runtime.tokenizer import shared_prefix
 
     return {"questions": len(prompts), "prompt_tokens": sum(len(p.token_ids) for p in prompts),
             "shared_prefix_tokens": shared_prefix([p.token_ids for p in prompts]),

@@ -39,7 +39,7 @@ from systemone.export.half_precision import FLOAT16_MATMULS, convert_to_half
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import CallCost
-from systemone.runtime.d1.engine import shared_prefix
+from systemone.runtime.tokenizer import shared_prefix
 from systemone.runtime.d1 import image_processor
 from systemone.runtime.d1.image_processor import cap_pixels, lfm2_image
 from systemone.runtime.d1.images import media_rows

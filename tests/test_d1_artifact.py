@@ -169,7 +169,7 @@ def test_the_real_template_passes_the_startup_check(d1_service):
 
 def test_prefix_split_leaves_every_question_a_token():
     """The shared prefix never swallows a whole prompt (identical prompts still read their last token)."""
-    from systemone.runtime.d1.engine import shared_prefix
+    from systemone.runtime.tokenizer import shared_prefix
 
     assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2
     assert shared_prefix([[1, 2, 3, 4], [1, 2, 5]]) == 2

@@ -26,7 +26,7 @@ from ...runtime.tokenizer import PromptTokenizer
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
 from ..half_precision import FLOAT16_MATMULS
 from ..parity import sample_prompts
-from .fused_ops import TRANSLATIONS
+from ..fused_ops import TRANSLATIONS
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
 from .lfm2_text import D1TextGraph
 from .lfm2_vision import D1VisionGraph

@@ -18,7 +18,7 @@ Right padding keeps every real token's computation exact: attention and the shor
 row's pads come after it and never reach it.
 
 `fused` writes the CUDA form's graph: each attention layer one onnxruntime MultiHeadAttention node reading the past
-as its past inputs, each residual sum inside the next norm (`fused_ops.py`, export/fused_ops.py).
+as its past inputs, each residual sum inside the next norm (export/fused_ops.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fused_ops import row_blocks, skip_rms_norm
+from ..fused_ops import past_attention, row_blocks, skip_rms_norm
 from ..short_conv import shifted_conv_rows
-from .fused_ops import past_attention
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

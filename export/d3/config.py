@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from ...models.d3 import D3Family, DecisionConfig
-from ...runtime.batch import BatchBudget, MediaRows
+from ...runtime.batch import BatchBudget, MediaRows, TextRow
 from ...runtime.d3.code_logits import CodeLogitsRunner, text_positions
+from ...runtime.d3.state import LINEAR, D3StateLayout
 from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
@@ -86,6 +87,18 @@ class D3ExportConfig(ExportConfig):
     def attention_mode(self) -> str:
         return self.decision_config.attention_mode
 
+    @property
+    def state_layout(self) -> D3StateLayout | None:
+        """The state the causal text graph carries between calls (prefix reuse); None in the bidirectional mode."""
+        if self.attention_mode != "causal":
+            return None
+        layers = self.model.language_model.layers
+        linear = next(layer.linear_attn for layer in layers if layer.block_type == LINEAR)
+        attention = next(layer.self_attn for layer in layers if layer.block_type != LINEAR)
+        return D3StateLayout(tuple(layer.block_type for layer in layers), int(self.text_config.num_key_value_heads),
+                             int(attention.head_dim), int(linear.conv_dim), int(linear.conv_kernel_size) - 1,
+                             int(linear.num_v_heads), int(linear.head_k_dim), int(linear.head_v_dim))
+
     def graph(self, fused: bool = False) -> D3TextGraph:
         return D3TextGraph(self.model, self.readout_weight, self.readout_bias, self.attention_mode,
                            fused).eval()
@@ -152,7 +165,12 @@ class D3ExportConfig(ExportConfig):
         positions = torch.arange(length).view(1, 1, length).expand(3, batch, length).contiguous()
         media_index = torch.tensor([3, 4, 5, 6, length + 3, length + 4, length + 5, length + 6])
         media_embeds = torch.randn(len(media_index), self.text_config.hidden_size)
-        return ids, mask, positions, media_embeds, media_index
+        layout = self.state_layout
+        if layout is None:
+            return ids, mask, positions, media_embeds, media_index
+        past = 23  # neither 0 nor 1 nor a size above, so that the past's axis stays its own
+        states = tuple(torch.randn(*shape) for shape in layout.shapes(past))
+        return ids, mask, positions, media_embeds, media_index, states
 
     @torch.no_grad()
     def reference_logits(self, token_ids: list[int], positions: np.ndarray, media_embeds: np.ndarray | None = None,
@@ -172,8 +190,17 @@ class D3ExportConfig(ExportConfig):
         dims = {"batch": torch.export.Dim.DYNAMIC, "sequence": torch.export.Dim.DYNAMIC,
                 "media": torch.export.Dim("media", max=1 << 24)}
         text_shapes = {name: {axis: dims[role] for axis, role in axes.items()} for name, axes in TEXT_AXES.items()}
+        inputs, outputs, axes = TEXT_INPUTS, TEXT_OUTPUTS, TEXT_AXES
+        layout = self.state_layout
+        if layout is not None:
+            past = torch.export.Dim("past", max=1 << 24)  # one length for every layer's keys and values
+            text_shapes["states"] = tuple({2: past} if "_key_" in name or "_value_" in name else None
+                                          for name in layout.names("past"))
+            inputs, outputs = inputs + layout.names("past"), outputs + layout.names("new")
+            axes = {**axes, **{name: {2: "past"} for name in layout.names("past")
+                               if "_key_" in name or "_value_" in name}}
         return [
-            GraphSpec("text", TEXT_INPUTS, TEXT_OUTPUTS, TEXT_AXES, text_shapes, self.graph, self.example_inputs),
+            GraphSpec("text", inputs, outputs, axes, text_shapes, self.graph, self.example_inputs),
             GraphSpec("vision", VISION_INPUTS, VISION_OUTPUTS, VISION_AXES,
                       {name: {0: torch.export.Dim.DYNAMIC} for name in VISION_INPUTS}, self.vision_graph,
                       self.vision_example_inputs),
@@ -182,20 +209,42 @@ class D3ExportConfig(ExportConfig):
     def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
         def text(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
             hidden = int(self.text_config.hidden_size)
-            runner = CodeLogitsRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(), hidden)
+            runner = CodeLogitsRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(), hidden,
+                                      self.state_layout)
             family = D3Family.load(staging)
             prompts = sample_prompts(family, staging, files, SAMPLE_REQUEST, lengths, seed, RANDOM_TOKEN_IDS)
             rng = np.random.default_rng(seed)
             media = MediaRows(rng.standard_normal((6, hidden)).astype(np.float32), np.arange(20, 26, dtype=np.int64))
 
-            def reference(ids: list[int], media: MediaRows | None = None) -> np.ndarray:
-                if media is None:
-                    return self.reference_logits(ids, text_positions(len(ids)))
-                return self.reference_logits(ids, text_positions(len(ids)), media.embeds, media.positions)
+            references: dict[tuple, np.ndarray] = {}  # each prompt's torch run, read whole and as a suffix
 
+            def reference(ids: list[int], media: MediaRows | None = None) -> np.ndarray:
+                key = (tuple(ids), media is None)
+                if key not in references:
+                    rows = (None, None) if media is None else (media.embeds, media.positions)
+                    references[key] = self.reference_logits(ids, text_positions(len(ids)), *rows)
+                return references[key]
+
+            def as_suffixes(batch: list[list[int]], media: MediaRows | None = None) -> np.ndarray:
+                """Each prompt read as a suffix on its first half (past its media rows), prefilled alone."""
+                out = []
+                for ids in batch:
+                    split = max(len(ids) // 2, 0 if media is None else int(media.positions[-1]) + 1)
+                    positions = text_positions(len(ids))
+                    prefix = runner.prefill(TextRow(ids[:split], positions[:, :split], media))
+                    out.append(runner.read_suffixes(prefix, [TextRow(ids[split:], positions[:, split:])])[0])
+                return np.stack(out)
+
+            samples = [("media-embeds", prompts[-1][1], media)]
+            args = (self.decision_config.temperature, atol, prob_atol)
             report = check_parity(lambda batch, media=None: runner.run(batch, media=media), reference, prompts,
-                                  self.decision_config.temperature, atol, prob_atol,
-                                  media_samples=[("media-embeds", prompts[-1][1], media)])
+                                  *args, media_samples=samples)
+            if runner.layout is not None:  # causal: the questions' reads on a prefix read once (prefix reuse)
+                suffixes = check_parity(as_suffixes, reference, [p for p in prompts if len(p[1]) > 1], *args,
+                                        media_samples=samples)
+                report["suffix_reads"] = suffixes
+                for figure in ("max_abs_logit_diff", "max_abs_prob_diff"):
+                    report[figure] = max(report[figure], suffixes[figure])
             report["summary"] = (f"max |logit diff| {report['max_abs_logit_diff']:.2e}, "
                                  f"max |prob diff| {report['max_abs_prob_diff']:.2e}")
             return report
@@ -216,7 +265,9 @@ class D3ExportConfig(ExportConfig):
                 rows.append({"grid": [h, w], "segments": segments, "max_abs_diff": diff})
             return worst_vision_sample(rows, atol, "the torch vision tower")
 
-        return [Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts", text),
+        suffixes = ", whole and as suffixes on a prefilled prefix" if self.state_layout is not None else ""
+        return [Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts{suffixes}",
+                     text),
                 Gate("checking the vision graph against the torch vision tower", vision, graph="vision")]
 
     def forms(self) -> list[HalfForm]:
@@ -241,6 +292,7 @@ class D3ExportConfig(ExportConfig):
         fields = {"attention_mode": self.attention_mode,
                   "num_attention_heads": int(self.text_config.num_attention_heads),
                   "hidden_size": int(self.text_config.hidden_size),
+                  **({"state": self.state_layout.manifest_fields()} if self.state_layout is not None else {}),
                   "vision": {**bits["image_processor"], "patch_size": vision.patch_size,
                              "temporal_patch_size": vision.temporal_patch_size,
                              "merge_size": vision.spatial_merge_size,

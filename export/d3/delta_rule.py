@@ -50,15 +50,19 @@ def _chunk_step(state: torch.Tensor, chunk: list[torch.Tensor]):
     return next_state, out.clone()
 
 
-def chunk_gated_delta_rule(query, key, value, g, beta):
-    """Gated delta rule over [B, L, H, D] inputs (causal, zero initial state); returns [B, L, H, Dv]."""
+def chunk_gated_delta_rule(query, key, value, g, beta, initial_state=None):
+    """Gated delta rule over [B, L, H, D] inputs (causal); returns [B, L, H, Dv], and with `initial_state` (the
+    state [1, H, Dk, Dv] of the tokens before, the same for every row) also the state after the last token."""
     query, key, value, beta, g = (x.float() for x in (query, key, value, beta, g))
-    return chunked_rule(l2norm(query), l2norm(key), value, g, beta, query.shape[-1] ** -0.5)
+    return chunked_rule(l2norm(query), l2norm(key), value, g, beta, query.shape[-1] ** -0.5, initial_state)
 
 
-def chunked_rule(query, key, value, g, beta, scale: float):
+def chunked_rule(query, key, value, g, beta, scale: float, initial_state=None):
     """The rule on L2-normalised fp32 query and key [B, L, H, Dk], value [B, L, H, Dv], g and beta [B, L, H],
-    chunk by chunk: intra-chunk products, then a `scan` carrying the state from chunk to chunk."""
+    chunk by chunk: intra-chunk products, then a `scan` carrying the state from chunk to chunk. From zero, or from
+    `initial_state` [1, H, Dk, Dv]; then (output, final state [B, H, Dk, Dv]) are returned. The final state is that
+    after each row's last token only where the row has no padding: padding is read as tokens. The chunk padding
+    here is not (a zero key and update rate leave the state as it was, a zero decay exponent scales it by one)."""
     query, key, value, beta, g = (x.transpose(1, 2) for x in (query * scale, key, value, beta, g))
     batch, heads, length, _ = key.shape
     v_dim = value.shape[-1]
@@ -87,6 +91,10 @@ def chunked_rule(query, key, value, g, beta, scale: float):
     xs = [x.movedim(2, 0).flatten(1, 2) for x in (query, key, new_values, k_cumdecay, intra, chunk_decay)]
     # The zero state is derived from the data so that its batch dimension stays symbolic in the export.
     state = torch.zeros_like(xs[1][0].transpose(-1, -2) @ xs[2][0])
-    _, out = scan(_chunk_step, state, xs)
+    if initial_state is not None:
+        state = state + initial_state.expand(batch, -1, -1, -1).reshape(state.shape)
+    final, out = scan(_chunk_step, state, xs)
     out = out.unflatten(1, (batch, heads)).movedim(0, 2).reshape(batch, heads, chunks * CHUNK, v_dim)[:, :, :length]
-    return out.transpose(1, 2)
+    if initial_state is None:
+        return out.transpose(1, 2)
+    return out.transpose(1, 2), final.reshape(batch, heads, *final.shape[1:])

@@ -42,18 +42,25 @@ from .delta_rule import chunked_rule, l2norm
 
 _Param, _Option = onnx.defs.OpSchema.FormalParameter, onnx.defs.OpSchema.FormalParameterOption
 _AttrType = onnx.defs.OpSchema.AttrType
-CAUSAL_CONV = contrib_op("CausalConvWithState", [_Param("input", "T"), _Param("weight", "T")],
+CAUSAL_CONV = contrib_op("CausalConvWithState",
+                         [_Param("input", "T"), _Param("weight", "T"),
+                          *(_Param(name, "T", param_option=_Option.Optional) for name in ("bias", "past_state"))],
                          [_Param("output", "T"), _Param("present_state", "T")], [("T", HALF_OR_FLOAT, "")],
                          {"channels_last": _AttrType.INT, "activation": _AttrType.STRING})
-GATED_DELTA_NET = contrib_op(
-    "GatedDeltaNet",
-    [_Param("query", "T"), _Param("key", "T"), _Param("value", "T"),
-     _Param("cu_seqlens", "TI", param_option=_Option.Optional), _Param("decay", "TS"), _Param("beta", "TS"),
-     _Param("initial_state", "TS"), _Param("a_log", "TS"), _Param("dt_bias", "TS")],
-    [_Param("output", "T")],
-    [("T", HALF_OR_FLOAT, ""), ("TI", ["tensor(int32)"], ""), ("TS", ["tensor(float)"], "")],
-    {"update_rule": _AttrType.STRING, "gate_activation": _AttrType.STRING, "beta_activation": _AttrType.STRING,
-     "qk_l2_norm": _AttrType.INT, "scale": _AttrType.FLOAT})
+_GATED_DELTA_NET_INPUTS = [
+    _Param("query", "T"), _Param("key", "T"), _Param("value", "T"),
+    _Param("cu_seqlens", "TI", param_option=_Option.Optional),
+    *(_Param(name, "TS") for name in ("decay", "beta", "initial_state", "a_log", "dt_bias"))]
+_GATED_DELTA_NET_TYPES = [("T", HALF_OR_FLOAT, ""), ("TI", ["tensor(int32)"], ""), ("TS", ["tensor(float)"], "")]
+_GATED_DELTA_NET_ATTRIBUTES = {"update_rule": _AttrType.STRING, "gate_activation": _AttrType.STRING,
+                               "beta_activation": _AttrType.STRING, "qk_l2_norm": _AttrType.INT,
+                               "scale": _AttrType.FLOAT}
+# Without its final state where nothing reads it (a whole prompt), with it where a prefix's state is kept.
+GATED_DELTA_NET = contrib_op("GatedDeltaNet", _GATED_DELTA_NET_INPUTS, [_Param("output", "T")], _GATED_DELTA_NET_TYPES,
+                             _GATED_DELTA_NET_ATTRIBUTES)
+GATED_DELTA_NET_WITH_STATE = contrib_op("GatedDeltaNet", _GATED_DELTA_NET_INPUTS,
+                                        [_Param("output", "T"), _Param("final_state", "TS")], _GATED_DELTA_NET_TYPES,
+                                        _GATED_DELTA_NET_ATTRIBUTES)
 ROTARY_EMBEDDING = contrib_op("RotaryEmbedding", [_Param("input", "T"), _Param("position_ids", "M"),
                                                   _Param("cos_cache", "T"), _Param("sin_cache", "T")],
                               [_Param("output", "T")], [("T", HALF_OR_FLOAT, ""), ("M", ["tensor(int64)"], "")],
@@ -80,6 +87,30 @@ def _(x, weight):
 def _causal_conv(x: FLOAT, weight: FLOAT) -> FLOAT:
     out, _ = CAUSAL_CONV(x, weight, channels_last=1, activation="silu")
     return out
+
+
+@torch.library.custom_op("systemone::causal_conv_silu_past", mutates_args=())
+def causal_conv_silu_past(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, L, C] (channels last), weight [C, 1, K], past [1, C, K - 1] (the inputs before x, the same for every
+    row) -> (silu(causal depthwise conv) [B, L, C], each row's last K - 1 inputs [B, C, K - 1])."""
+    length, taps = x.shape[1], weight.shape[-1]
+    window = torch.cat([past.expand(x.shape[0], -1, -1), x.transpose(1, 2)], dim=2)
+    out = F.silu(shifted_conv(window, weight[:, 0, :], length)).transpose(1, 2).contiguous()
+    return out, window[:, :, window.shape[2] - (taps - 1):].contiguous()
+
+
+@causal_conv_silu_past.register_fake
+def _(x, weight, past):
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], x.shape[2], weight.shape[-1] - 1))
+
+
+def _causal_conv_past(x: FLOAT, weight: FLOAT, past: FLOAT) -> tuple[FLOAT, FLOAT]:
+    # Channels last, the node's state is [B, K - 1, C] too; the graph's, as transformers keeps it, [1, C, K - 1].
+    rows = op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[1, 1]), axis=0)
+    out, present = CAUSAL_CONV(x, weight, None, op.Expand(op.Transpose(past, perm=[0, 2, 1]), rows),
+                               channels_last=1, activation="silu")
+    return out, op.Transpose(present, perm=[0, 2, 1])
 
 
 # -- the delta rule ----------------------------------------------------------------------------------------------
@@ -109,6 +140,34 @@ def _gated_delta_net(query: FLOAT, key: FLOAT, value: FLOAT, a: FLOAT, b: FLOAT,
                           update_rule="gated_delta", gate_activation="qwen", beta_activation="sigmoid",
                           qk_l2_norm=1, scale=scale)
     return op.Cast(out, to=FLOAT.dtype)
+
+
+@torch.library.custom_op("systemone::gated_delta_rule_past", mutates_args=())
+def gated_delta_rule_past(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a: torch.Tensor,
+                          b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, scale: float,
+                          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_rule` from `state` [1, H, Dk, Dv] (the tokens before, the same for every row) -> (output
+    [B, L, H, Dv], each row's state after its last token [B, H, Dk, Dv])."""
+    g = -a_log.exp() * F.softplus(a + dt_bias)
+    out, final = chunked_rule(l2norm(query), l2norm(key), value, g, b.sigmoid(), scale, state)
+    return out.contiguous(), final.contiguous()
+
+
+@gated_delta_rule_past.register_fake
+def _(query, key, value, a, b, a_log, dt_bias, scale, state):
+    return value.new_empty(value.shape), state.new_empty((value.shape[0], *state.shape[1:]))
+
+
+def _gated_delta_net_past(query: FLOAT, key: FLOAT, value: FLOAT, a: FLOAT, b: FLOAT, a_log: FLOAT, dt_bias: FLOAT,
+                          scale: float, state: FLOAT) -> tuple[FLOAT, FLOAT]:
+    # The node's state is value-major [B, H, Dv, Dk]; the graph's, as transformers keeps it, [1, H, Dk, Dv].
+    rows = op.Concat(op.Shape(value, start=0, end=1), op.Constant(value_ints=[1, 1, 1]), axis=0)
+    initial = op.Expand(op.Transpose(state, perm=[0, 1, 3, 2]), rows)
+    out, final = GATED_DELTA_NET_WITH_STATE(
+        op.Cast(query, to=FLOAT16.dtype), op.Cast(key, to=FLOAT16.dtype), op.Cast(value, to=FLOAT16.dtype), None, a,
+        b, initial, a_log, dt_bias, update_rule="gated_delta", gate_activation="qwen", beta_activation="sigmoid",
+        qk_l2_norm=1, scale=scale)
+    return op.Cast(out, to=FLOAT.dtype), op.Transpose(final, perm=[0, 1, 3, 2])
 
 
 # -- the gated norm ----------------------------------------------------------------------------------------------
@@ -215,6 +274,8 @@ def _patch_rotary(x: FLOAT, cos: FLOAT, sin: FLOAT, heads: int) -> FLOAT:
 TRANSLATIONS = {**SHARED_TRANSLATIONS,
                 torch.ops.systemone.causal_conv_silu.default: _causal_conv,
                 torch.ops.systemone.gated_delta_rule.default: _gated_delta_net,
+                torch.ops.systemone.causal_conv_silu_past.default: _causal_conv_past,
+                torch.ops.systemone.gated_delta_rule_past.default: _gated_delta_net_past,
                 torch.ops.systemone.gated_rms_norm.default: _gated_rms_norm,
                 torch.ops.systemone.segment_attention.default: _segment_attention,
                 torch.ops.systemone.padded_attention.default: _padded_attention,

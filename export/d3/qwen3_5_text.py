@@ -15,6 +15,15 @@ Inputs: input_ids [B, L] int64, attention_mask [B, L] int64 (right padding), pos
 media_embeds [M, hidden] float32 and media_index [M] int64 (the vision graph's rows and their flat positions in
 B x L; M = 0 for text-only prompts).
 Output: code_logits [B, len(codes)] float32 at each row's last real token.
+
+In `causal` mode the graph also carries the state of the tokens before its own, as d1's does (prefix reuse: a
+request's shared prefix, its media among it, runs once, and its questions are read as suffixes on that state):
+after the inputs above, per decoder layer in order, Gated DeltaNet layers past_conv_i [1, conv channels, K - 1] and
+past_recurrent_i [1, value heads, Dk, Dv], full-attention layers past_key_i / past_value_i [1, KV heads, P, D] (batch
+1, read by every row; P = 0 and zeros for a prompt from its start); after code_logits the same per layer, new_*:
+the windows and recurrent states after each row's last token (exact for a row without padding, as a prefill is) and
+this call's keys and values [B, KV heads, L, D]. The bidirectional mode has no such state: every question reads its
+whole prompt (spec 4.3).
 """
 
 from __future__ import annotations
@@ -25,8 +34,9 @@ from torch import nn
 
 from ..short_conv import shifted_conv
 from .delta_rule import chunk_gated_delta_rule
-from ..fused_ops import rms, row_blocks, skip_rms_norm
-from .fused_ops import causal_conv_silu, gated_delta_rule, gated_rms_norm, padded_attention
+from ..fused_ops import past_attention, rms, row_blocks, skip_rms_norm
+from .fused_ops import (causal_conv_silu, causal_conv_silu_past, gated_delta_rule, gated_delta_rule_past,
+                        gated_rms_norm, padded_attention)
 
 
 def _norm_1p(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -50,8 +60,12 @@ class GatedDeltaNetLayer(nn.Module):
                 raise ValueError("the fused Gated DeltaNet layer takes no in-projection or convolution bias")
             self.qkv_weights = row_blocks(hf.in_proj_qkv.weight, sizes)
             self.conv_weights = row_blocks(hf.conv1d.weight, sizes)
+        self.sizes = [hf.key_dim, hf.key_dim, hf.value_dim]
 
-    def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor, past: tuple[torch.Tensor, ...] | None = None):
+        """The layer's output; with `past` (the convolution's last K - 1 inputs [1, C, K - 1] and the delta rule's
+        state [1, H, Dk, Dv] of the tokens before, the same for every row) also the two after each row's last
+        token, exact for a row without padding."""
         hf = self.hf
         if not self.fused:
             # The padding's rows zeroed, as transformers does. Rows are right-padded and the layer reads only back
@@ -61,13 +75,23 @@ class GatedDeltaNetLayer(nn.Module):
             # zeroing stays, as measured. The fused node's kernel, gated at d3-nano on CUDA without it, saves the pass.
             hidden = hidden * pad_mask[:, :, None].to(hidden.dtype)
         batch, length, _ = hidden.shape
-        if self.fused:
+        taps = hf.conv_kernel_size - 1
+        new_conv = None
+        if self.fused and past is None:
             query, key, value = (causal_conv_silu(F.linear(hidden, weight), conv)
                                  for weight, conv in zip(self.qkv_weights, self.conv_weights))
+        elif self.fused:
+            parts = [causal_conv_silu_past(F.linear(hidden, weight), conv, part) for weight, conv, part
+                     in zip(self.qkv_weights, self.conv_weights, torch.split(past[0], self.sizes, dim=1))]
+            query, key, value = (out for out, _ in parts)
+            new_conv = torch.cat([window for _, window in parts], dim=1)
         else:
-            window = F.pad(hf.in_proj_qkv(hidden).transpose(1, 2), (hf.conv_kernel_size - 1, 0))  # zeros first
+            inputs = hf.in_proj_qkv(hidden).transpose(1, 2)
+            window = (F.pad(inputs, (taps, 0)) if past is None  # zeros before the first token
+                      else torch.cat([past[0].expand(batch, -1, -1), inputs], dim=2))
             mixed = F.silu(shifted_conv(window, hf.conv1d.weight[:, 0, :], length)).transpose(1, 2)
-            query, key, value = torch.split(mixed, [hf.key_dim, hf.key_dim, hf.value_dim], dim=-1)
+            query, key, value = torch.split(mixed, self.sizes, dim=-1)
+            new_conv = window[:, :, window.shape[2] - taps:]
         query = query.reshape(batch, length, -1, hf.head_k_dim)
         key = key.reshape(batch, length, -1, hf.head_k_dim)
         value = value.reshape(batch, length, -1, hf.head_v_dim)
@@ -77,19 +101,28 @@ class GatedDeltaNetLayer(nn.Module):
             query = query.repeat_interleave(repeat, dim=2)
             key = key.repeat_interleave(repeat, dim=2)
         norm = hf.norm
+        new_state = None
         if self.fused:
-            core = gated_delta_rule(query.float(), key.float(), value.float(), hf.in_proj_a(hidden).float(),
-                                    hf.in_proj_b(hidden).float(), hf.A_log.float(), hf.dt_bias.float(),
-                                    hf.head_k_dim ** -0.5)
+            rule = (query.float(), key.float(), value.float(), hf.in_proj_a(hidden).float(),
+                    hf.in_proj_b(hidden).float(), hf.A_log.float(), hf.dt_bias.float(), hf.head_k_dim ** -0.5)
+            if past is None:
+                core = gated_delta_rule(*rule)
+            else:
+                core, new_state = gated_delta_rule_past(*rule, past[1])
             gated = gated_rms_norm(core.reshape(batch, length, -1), norm.weight.float(),
                                    z.reshape(batch, length, -1).float(), norm.variance_epsilon)
-            return hf.out_proj(gated.to(hidden.dtype))
-        beta = hf.in_proj_b(hidden).sigmoid()
-        g = -hf.A_log.float().exp() * F.softplus(hf.in_proj_a(hidden).float() + hf.dt_bias)
-        core = chunk_gated_delta_rule(query, key, value, g, beta).to(hidden.dtype)
-        gated = rms(core.float(), norm.variance_epsilon).to(hidden.dtype) * norm.weight
-        gated = (gated * F.silu(z.float())).to(hidden.dtype)
-        return hf.out_proj(gated.reshape(batch, length, -1))
+            out = hf.out_proj(gated.to(hidden.dtype))
+        else:
+            beta = hf.in_proj_b(hidden).sigmoid()
+            g = -hf.A_log.float().exp() * F.softplus(hf.in_proj_a(hidden).float() + hf.dt_bias)
+            if past is None:
+                core = chunk_gated_delta_rule(query, key, value, g, beta)
+            else:
+                core, new_state = chunk_gated_delta_rule(query, key, value, g, beta, past[1])
+            gated = rms(core.to(hidden.dtype).float(), norm.variance_epsilon).to(hidden.dtype) * norm.weight
+            gated = (gated * F.silu(z.float())).to(hidden.dtype)
+            out = hf.out_proj(gated.reshape(batch, length, -1))
+        return out if past is None else (out, (new_conv, new_state))
 
 
 class FullAttentionLayer(nn.Module):
@@ -109,7 +142,9 @@ class FullAttentionLayer(nn.Module):
             rows = heads.shape[0] * hf.head_dim
             self.query_weight, self.gate_weight = row_blocks(heads.transpose(0, 1).reshape(2 * rows, -1), [rows, rows])
 
-    def forward(self, hidden, cos, sin, additive_mask, lengths):
+    def forward(self, hidden, cos, sin, additive_mask, lengths, past=None):
+        """The layer's output; with `past` (keys and values [1, KV, P, D] of the tokens before, the same for every
+        row; causal only) also this call's keys and values [B, KV, L, D]."""
         hf = self.hf
         batch, length, _ = hidden.shape
         head_dim = hf.head_dim
@@ -123,6 +158,8 @@ class FullAttentionLayer(nn.Module):
         key = _norm_1p(hf.k_norm, hf.k_proj(hidden).view(batch, length, -1, head_dim)).transpose(1, 2)
         value = hf.v_proj(hidden).view(batch, length, -1, head_dim).transpose(1, 2)
         query, key = _rotary(query, cos, sin), _rotary(key, cos, sin)
+        if past is not None:
+            return self._over_past(query, key, value, gate, *past), (key, value)
         groups = hf.num_key_value_groups
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
@@ -134,6 +171,25 @@ class FullAttentionLayer(nn.Module):
         scores = (query * hf.scaling) @ key.transpose(-1, -2) + additive_mask
         probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
         out = (probs @ value).transpose(1, 2).reshape(batch, length, -1)
+        return hf.o_proj(out * torch.sigmoid(gate))
+
+    def _over_past(self, query, key, value, gate, past_key, past_value):
+        """Causal attention of this call's queries [B, H, L, D] over the past's keys and their own row's up to
+        themselves (query t after P past tokens sees keys 0 .. P + t)."""
+        hf = self.hf
+        batch, heads, length, _ = query.shape
+        if self.fused:
+            out = past_attention(query.float(), key.float(), value.float(), past_key, past_value, heads, hf.scaling)
+            return hf.o_proj(out.to(gate.dtype) * torch.sigmoid(gate))
+        groups = hf.num_key_value_groups
+        keys, values = (torch.cat([old.expand(batch, -1, -1, -1), new], dim=2).repeat_interleave(groups, dim=1)
+                        for old, new in ((past_key, key), (past_value, value)))
+        past = past_key.shape[2]
+        allowed = torch.arange(past + length, device=query.device)[None, :] <= (
+            torch.arange(length, device=query.device)[:, None] + past)
+        scores = ((query * hf.scaling) @ keys.transpose(-1, -2)).masked_fill(~allowed, torch.finfo(query.dtype).min)
+        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+        out = (probs @ values).transpose(1, 2).reshape(batch, length, -1)
         return hf.o_proj(out * torch.sigmoid(gate))
 
 
@@ -161,6 +217,7 @@ class D3TextGraph(nn.Module):
         self.embed_tokens = text.embed_tokens
         self.final_norm = text.norm
         self.bidirectional = attention_mode == "noncausal_full_attention"
+        self.reads_past = not self.bidirectional
         self.fused = fused
         self.layers = nn.ModuleList()
         self.mixers = nn.ModuleList()
@@ -200,7 +257,9 @@ class D3TextGraph(nn.Module):
         zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
         return torch.where(keys, zero, torch.finfo(dtype).min)
 
-    def hidden_states(self, input_ids, attention_mask, position_ids, media_embeds, media_index):
+    def hidden_states(self, input_ids, attention_mask, position_ids, media_embeds, media_index, states=()):
+        """The final norm's output [B, L, hidden], and the new state of every layer (`states`: the past's, in the
+        graph's order; empty in the bidirectional mode)."""
         hidden = self.embed_tokens(input_ids)
         # Image/video embeddings replace the placeholder tokens' rows (flat index into batch x sequence).
         batch, length, width = hidden.shape
@@ -208,19 +267,26 @@ class D3TextGraph(nn.Module):
         hidden = hidden.reshape(batch, length, width)
         dtype = hidden.dtype
         cos, sin = self._rope(position_ids, dtype)
-        # The fused layers bound each row by its length; the portable ones add the mask to their scores.
-        additive = None if self.fused else self._attention_mask(attention_mask, dtype)
+        # The fused layers bound each row by its length; the portable ones add the mask to their scores (the causal
+        # mode builds its own over the past).
+        additive = None if self.fused or self.reads_past else self._attention_mask(attention_mask, dtype)
         lengths = attention_mask.sum(dim=1)
         update = None  # what the last block adds to the residual stream, summed in by the next norm
+        pasts = iter(zip(states[::2], states[1::2]))  # two a layer, of either kind
+        new_states: list[torch.Tensor] = []
         for layer, mixer in zip(self.layers, self.mixers):
             normed, hidden = self._add_norm(hidden, update, layer.input_layernorm)
+            past = next(pasts) if self.reads_past else None
             if isinstance(mixer, GatedDeltaNetLayer):
-                mixed = mixer(normed, attention_mask)
+                mixed = mixer(normed, attention_mask, past)
             else:
-                mixed = mixer(normed, cos, sin, additive, lengths)
+                mixed = mixer(normed, cos, sin, additive, lengths, past)
+            if past is not None:
+                mixed, new = mixed
+                new_states += new
             normed, hidden = self._add_norm(hidden, mixed, layer.post_attention_layernorm)
             update = layer.mlp(normed)
-        return self._add_norm(hidden, update, self.final_norm)[0]
+        return self._add_norm(hidden, update, self.final_norm)[0], new_states
 
     def _add_norm(self, hidden: torch.Tensor, update: torch.Tensor | None, norm: nn.Module
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,11 +299,12 @@ class D3TextGraph(nn.Module):
         hidden = hidden + update
         return _norm_1p(norm, hidden), hidden
 
-    def forward(self, input_ids, attention_mask, position_ids, media_embeds, media_index):
-        hidden = self.hidden_states(input_ids, attention_mask, position_ids, media_embeds, media_index)
+    def forward(self, input_ids, attention_mask, position_ids, media_embeds, media_index, states=()):
+        hidden, new_states = self.hidden_states(input_ids, attention_mask, position_ids, media_embeds, media_index,
+                                                states)
         last = attention_mask.sum(dim=1) - 1
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
         logits = pooled @ self.readout_weight.t()
         if self.readout_bias is not None:
             logits = logits + self.readout_bias
-        return logits
+        return (logits, *new_states) if self.reads_past else logits

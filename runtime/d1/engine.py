@@ -21,16 +21,16 @@ from ...models.family import Readout
 from ...models.questions import QUESTION_TYPES, Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
-from ..batch import BatchBudget, CallCost, TextRow
+from ..batch import UNMEASURED_COST, BatchBudget, CallCost, TextRow
 from ..cuda_graphs import CaptureBuckets
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
 from ..session import GraphSession
-from ..tokenizer import common_start
+from ..tokenizer import shared_prefix
 from .image_processor import Lfm2Image, Lfm2ImageConfig, placeholder_text
 from .images import D1ImageEncoder, expand_images, media_rows
-from .state import UNMEASURED_COST, D1TextRunner, StateLayout
+from .state import D1TextRunner, StateLayout
 
 # Option labels whose token ids are remembered: the same few (yes/no, digits, letters, common names) recur in almost
 # every request, and each is tried in several forms (16 questions: about 400 encodings, 4 ms on two cores).
@@ -47,13 +47,6 @@ class Tokenized:
 
     texts: list[str]
     ids: list[list[int]]
-
-
-def shared_prefix(prompts: list[list[int]]) -> int:
-    """Tokens every prompt starts with, leaving each at least its last token to read."""
-    shortest = min(len(p) for p in prompts)
-    length = min((common_start(prompts[0], other, 512) for other in prompts[1:]), default=shortest)
-    return min(length, shortest - 1)
 
 
 def readouts(label_ids: list[int], logprobs: np.ndarray, argmax: np.ndarray) -> list[Readout]:

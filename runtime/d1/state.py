@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from ..batch import BatchBudget, CallCost, MediaRows, pad_right
+from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, pad_right
 from ..session import GraphSession
 
 
@@ -58,9 +58,6 @@ READS = ("label_logprobs", "argmax")  # the text graph's outputs a read fetches;
 # Label ids a captured call reads (its label input has one shape in every bucket): a call's labels are padded to
 # this many; a call of more (many long option lists together) runs uncaptured.
 LABEL_SLOTS = 128
-# Before start-up measures a call (or where nothing does: export's gates, `ask`): a call's fixed part worth 32
-# padded tokens, so a 26-option choice's suffix and a yes/no's go in separate calls, as on a CPU.
-UNMEASURED_COST = CallCost(fixed_s=32e-6, token_s=1e-6)
 
 
 class D1TextRunner:

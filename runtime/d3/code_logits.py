@@ -1,15 +1,23 @@
 """The d3 text graph's run: rows (token ids, M-RoPE positions, each row's own media rows) -> the readout's code
-logits at each row's last token. One call is one right-padded batch; rows of different requests may share it."""
+logits at each row's last token. One call is one right-padded batch; rows of different requests may share it.
+
+A causal graph also takes the state of the tokens before its own (runtime/d3/state.py): whole prompts read from
+an empty state, and a request's questions can be read as suffixes on its shared prefix, prefilled once."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ...models.errors import DeviceMemoryExhausted
 from ..batch import BatchBudget, CallCost, MediaRows, TextRow, pad_right, run_in_halves
 from ..session import GraphSession
+from .state import D3StateLayout
+
+CODE_LOGITS = ("code_logits",)  # what a call fetches; a causal graph's new state stays on the device
 
 
 def text_positions(length: int) -> np.ndarray:
@@ -38,26 +46,72 @@ def row_feeds(rows: Sequence[TextRow], hidden: int, width: int | None = None) ->
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **media.feeds()}
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """The state after a prefix of `length` tokens (batch 1), on the text graph's device, for its suffixes."""
+
+    length: int
+    states: dict[str, Any]
+
+
 class CodeLogitsRunner:
-    def __init__(self, session: GraphSession, budget: BatchBudget, hidden: int):
+    def __init__(self, session: GraphSession, budget: BatchBudget, hidden: int, layout: D3StateLayout | None = None):
         self.session = session
         self.budget = budget
         self.hidden = hidden
         self.cost: CallCost | None = None  # how rows of different lengths are grouped (`BatchBudget.plan`)
+        self.layout = layout  # the state a causal graph carries; None: the graph takes none
+        self.empty: dict[str, np.ndarray] = layout.empty() if layout is not None else {}
+        self._empty_on_device: Prefix | None = None
 
-    def run_batch(self, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
-        """One graph call: code logits [len(rows), n_codes] float32, in row order. Text-only rows that fit a
-        captured bucket are padded to it and replay its CUDA graph: filler rows of one token, every row padded to
-        the bucket's length (exact: each row is read at its own last token, its padded keys masked)."""
+    def start(self) -> Prefix:
+        """The state of a prompt from its start, on the device once (d3-nano's zero recurrent states are 18 MB)."""
+        if self._empty_on_device is None:
+            values = self.session.device_values(list(self.empty.values()))
+            self._empty_on_device = Prefix(0, dict(zip(self.empty, values, strict=True)))
+        return self._empty_on_device
+
+    def run_batch(self, rows: Sequence[TextRow], run_options=None, prefix: Prefix | None = None) -> np.ndarray:
+        """One graph call: code logits [len(rows), n_codes] float32, in row order, on `prefix` where given (a
+        causal graph; else from the start). Text-only rows from the start that fit a captured bucket are padded to
+        it and replay its CUDA graph: filler rows of one token, every row padded to the bucket's length (exact:
+        each row is read at its own last token, its padded keys masked or after it)."""
         text_only = all(row.media is None or not row.media.positions.size for row in rows)
-        bucket = self.session.capture_shape(len(rows), max(row.length for row in rows)) if text_only else None
+        bucket = (self.session.capture_shape(len(rows), max(row.length for row in rows))
+                  if text_only and prefix is None else None)
         if bucket is None:
-            (logits,) = self.session.run(row_feeds(rows, self.hidden), run_options)
+            feeds = row_feeds(rows, self.hidden)
+            if self.layout is None:
+                (logits,) = self.session.run(feeds, run_options)
+                return logits
+            feeds.update((prefix or self.start()).states)
+            (logits,) = self.session.run(feeds, run_options, fetch=CODE_LOGITS)
             return logits
         batch, width = bucket
         filler = [TextRow([0])] * (batch - len(rows))
-        (logits,) = self.session.run_captured(row_feeds([*rows, *filler], self.hidden, width))
+        # The same read-only zero state every replay, which the replay does not copy again.
+        feeds = {**row_feeds([*rows, *filler], self.hidden, width), **self.empty}
+        (logits,) = self.session.run_captured(feeds, fetch=CODE_LOGITS if self.layout is not None else None)
         return logits[:len(rows)]
+
+    def prefill(self, row: TextRow, run_options=None) -> Prefix:
+        """The state after `row` (a request's shared prefix, media rows and all) read from the start in one call,
+        left on the device for its suffixes."""
+        if self.layout is None:
+            raise RuntimeError("this text graph carries no state: every prompt is read whole")
+        out = self.session.run_bound({**row_feeds([row], self.hidden), **self.start().states}, run_options)
+        return Prefix(row.length, {past: out[new] for past, new
+                                   in zip(self.layout.names("past"), self.layout.names("new"), strict=True)})
+
+    def read_suffixes(self, prefix: Prefix, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
+        """Code logits [len(rows), n_codes] of `rows` (each a question's tokens after the prefix, with their
+        positions) read on `prefix`, in padded calls within the budget."""
+        out: list[np.ndarray | None] = [None] * len(rows)
+        for group in self.budget.plan([row.length for row in rows], prefix.length, self.cost):
+            for index, logits in zip(group, self.run_batch([rows[i] for i in group], run_options, prefix),
+                                     strict=True):
+                out[index] = logits
+        return np.stack(out)
 
     def capture(self) -> None:
         """Every bucket's CUDA graph, captured now on this thread (`GraphSession.capture_buckets`)."""

@@ -1,5 +1,9 @@
 """Family d3 on onnxruntime: a request's prompts (media read once, spec 4.8) and one padded batch of code logits
-(spec 4.13)."""
+(spec 4.13).
+
+In causal mode the prefix every question of a request shares (its system turn, media and state: all before the
+question) is read once and the questions as suffixes on its state, where that saves more than the call it adds;
+the bidirectional mode reads every whole prompt (spec 4.3)."""
 
 from __future__ import annotations
 
@@ -13,15 +17,17 @@ from ...models.family import Readout
 from ...models.questions import Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
-from ..batch import BatchBudget, CallCost, MediaRows, TextRow
+from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, TextRow
 from ..cuda_graphs import CaptureBuckets
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
 from ..session import GraphSession
+from ..tokenizer import shared_prefix
 from .code_logits import CodeLogitsRunner, text_positions
 from .media import D3MediaEncoder, Preprocessed
 from .placeholders import VISION_END, expand_media, mrope_positions
+from .state import D3StateLayout
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,9 @@ class D3Media:
 
 
 class D3Engine(Engine):
-    shares_batches = True  # every question is one independent row of the text graph
+    # Every question is one independent row of the text graph, save the questions of a request whose shared prefix
+    # a causal graph reads once (`runs_whole`).
+    shares_batches = True
     encodes_media_apart = True
 
     def __init__(self, artifact: Artifact, options: EngineOptions):
@@ -49,7 +57,9 @@ class D3Engine(Engine):
         self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads)
         self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
                                     options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
-        self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]))
+        # None for a bidirectional artifact, or a causal one exported before prefix reuse: whole prompts only.
+        self.layout = D3StateLayout.from_manifest(fields)
+        self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]), self.layout)
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
                                            options.gpu_memory)
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
@@ -107,9 +117,38 @@ class D3Engine(Engine):
         labels = [self.family.labels(q, tokenizer.encode) for q in questions]
         return Prepared(request, questions, prompts, labels, prepared_media)
 
-    def run(self, prepared: Prepared, run_options: Any = None, encoded: MediaRows | None = None) -> list[Readout]:
+    def run(self, prepared: Prepared, run_options: Any = None, encoded: MediaRows | None = None,
+            reuse_prefix: bool = True) -> list[Readout]:
+        """Each question's code logits. With `reuse_prefix` (the default) a request `runs_whole` reads its shared
+        prefix once and its questions as suffixes on that state; without, or otherwise, every whole prompt is a
+        row (the baseline the reuse is measured against)."""
         rows = self.rows(prepared, encoded if encoded is not None else self.encode_media(prepared, run_options))
-        return self._readouts(self.runner.run_rows(rows, run_options))
+        split = self._reused_prefix(prepared) if reuse_prefix else 0
+        if not split:
+            return self._readouts(self.runner.run_rows(rows, run_options))
+        media = rows[0].media
+        if media is not None and len(media.positions) and media.positions[-1] >= split:
+            raise RuntimeError("media rows past the shared prefix")
+        first = rows[0]
+        prefix = self.runner.prefill(TextRow(first.token_ids[:split], first.positions[:, :split], media), run_options)
+        suffixes = [TextRow(row.token_ids[split:], row.positions[:, split:]) for row in rows]
+        return self._readouts(self.runner.read_suffixes(prefix, suffixes, run_options))
+
+    def _reused_prefix(self, prepared: Prepared) -> int:
+        """The tokens of the prefix read once for this request's questions; 0 where every whole prompt is read: a
+        graph without state, one question, or a prefix that saves less than the call it adds (its tokens times
+        the questions but one, at the measured cost a token, against a call's fixed part, as d1 weighs it)."""
+        ids = [p.token_ids for p in prepared.prompts]
+        if self.layout is None or len(ids) < 2:
+            return 0
+        split = shared_prefix(ids)
+        cost = self.runner.cost or UNMEASURED_COST
+        return split if (len(ids) - 1) * split * cost.token_s > cost.call_s else 0
+
+    def runs_whole(self, prepared: Prepared) -> bool:
+        """Whether the request's questions are read on its prefix, read once (`run`), rather than as rows of their
+        own in calls shared with other requests."""
+        return bool(self._reused_prefix(prepared))
 
     def encode_media(self, prepared: Prepared, run_options: Any = None) -> MediaRows | None:
         """The vision rows of the request's media at their prompt positions (the same in every question)."""

@@ -1,0 +1,125 @@
+"""Prefix reuse in d3's causal mode (export/d3/qwen3_5_text.py, runtime/d3/state.py): the prefix a request's questions
+share (system turn, media, state) is read once and each question as a suffix on its state, with the answers of
+every whole prompt read alone (<= 1e-5 on the fp32 graph). The bidirectional mode reads every whole prompt (spec
+4.3): there a question's text changes how its media and state are read."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from systemone.export.d3.answer_parity import question_set
+from systemone.export.sample_media import image_url
+from systemone.runtime.artifact import Artifact
+from systemone.runtime.batch import BatchBudget, MediaRows, TextRow
+from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
+from systemone.runtime.d3.state import D3StateLayout
+from systemone.runtime.engine import EngineOptions
+from systemone.runtime.service import DecisionService
+from systemone.runtime.session import GraphSession
+
+STATE = {"ticket": "The parcel arrived crushed; the customer wants a refund and a replacement.", "tier": "gold"}
+
+
+@pytest.fixture(scope="module")
+def causal_service(d3_causal_artifact) -> DecisionService:
+    return DecisionService(Artifact.load(d3_causal_artifact), EngineOptions(device="cpu"))
+
+
+def runner_for(artifact, graph: str = "text.onnx") -> CodeLogitsRunner:
+    fields = json.loads((artifact / "manifest.json").read_text())
+    return CodeLogitsRunner(GraphSession(artifact / graph, "cpu"), BatchBudget(), int(fields["hidden_size"]),
+                            D3StateLayout.from_manifest(fields))
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def suffix_rows(prefix_length: int, suffixes: list[list[int]]) -> list[TextRow]:
+    return [TextRow(s, text_positions(prefix_length + len(s))[:, prefix_length:]) for s in suffixes]
+
+
+def test_the_causal_manifest_records_the_state_and_the_bidirectional_one_none(d3_artifact, d3_causal_artifact):
+    causal = json.loads((d3_causal_artifact / "manifest.json").read_text())
+    layout = D3StateLayout.from_manifest(causal)
+    assert layout is not None and len(layout.layer_types) == len(causal["state"]["layer_types"])
+    assert D3StateLayout.from_manifest(json.loads((d3_artifact / "manifest.json").read_text())) is None
+
+
+@pytest.mark.parametrize("prefix_length", [1, 63, 64, 150])
+def test_suffixes_read_on_a_prefilled_prefix_match_their_whole_prompts(d3_causal_artifact, prefix_length):
+    """Suffixes of 1 to 130 tokens (across the delta rule's 64-token chunks) in one right-padded call on a prefix
+    prefilled once: each row's code logits are its whole prompt's."""
+    runner = runner_for(d3_causal_artifact)
+    rng = np.random.default_rng(prefix_length)
+    prefix = rng.integers(0, 5000, prefix_length).tolist()
+    suffixes = [rng.integers(0, 5000, n).tolist() for n in (1, 7, 64, 65, 130)]
+    whole = runner.run_rows([TextRow(prefix + s, text_positions(prefix_length + len(s))) for s in suffixes])
+    state = runner.prefill(TextRow(prefix, text_positions(prefix_length)))
+    assert state.length == prefix_length
+    got = runner.read_suffixes(state, suffix_rows(prefix_length, suffixes))
+    assert np.abs(got - whole).max() <= 1e-5
+
+
+def test_media_rows_in_the_prefix_are_read_once_for_every_suffix(d3_causal_artifact):
+    runner = runner_for(d3_causal_artifact)
+    rng = np.random.default_rng(1)
+    media = MediaRows(rng.standard_normal((6, runner.hidden)).astype(np.float32), np.arange(4, 10, dtype=np.int64))
+    prefix = rng.integers(0, 5000, 40).tolist()
+    suffixes = [rng.integers(0, 5000, n).tolist() for n in (3, 30)]
+    whole = runner.run_rows([TextRow(prefix + s, text_positions(40 + len(s)), media) for s in suffixes])
+    state = runner.prefill(TextRow(prefix, text_positions(40), media))
+    assert np.abs(runner.read_suffixes(state, suffix_rows(40, suffixes)) - whole).max() <= 1e-5
+
+
+def test_a_fused_forms_suffix_reads_match_its_whole_prompts(d3_causal_artifact):
+    """The CUDA form's graph (fused convolution with its window, delta rule from a state, attention over the past;
+    run here by onnxruntime's CPU kernels) reads suffixes on a prefix as it reads the whole prompts (half
+    precision: the codes' probabilities within 2e-3; the logits, about 3 in size, within fp16's rounding)."""
+    form = Artifact.load(d3_causal_artifact).forms_for("cuda")[0]
+    runner = runner_for(d3_causal_artifact, f"text.{form}.onnx")
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(0, 5000, 90).tolist()
+    suffixes = [rng.integers(0, 5000, n).tolist() for n in (2, 41, 70)]
+    whole = runner.run_rows([TextRow(prefix + s, text_positions(90 + len(s))) for s in suffixes])
+    got = runner.read_suffixes(runner.prefill(TextRow(prefix, text_positions(90))), suffix_rows(90, suffixes))
+    assert np.abs(got - whole).max() <= 1e-2
+    assert np.abs(softmax(got) - softmax(whole)).max() <= 2e-3
+
+
+def test_a_request_of_several_questions_reads_its_prefix_once_with_the_answers_of_its_whole_prompts(causal_service):
+    engine = causal_service.engine
+    prepared = causal_service.prepare({"state": STATE, "questions": question_set(4) | question_set(9)})
+    assert engine.runs_whole(prepared)
+    runs = engine.session.runs
+    reused = engine.run(prepared)
+    assert engine.session.runs - runs <= 3  # the prefix, then the six suffixes in at most two calls
+    whole = engine.run(prepared, reuse_prefix=False)
+    for got, want in zip(reused, whole, strict=True):
+        assert max(abs(got.scores[k] - v) for k, v in want.scores.items()) <= 1e-5
+
+
+def test_an_image_requests_questions_are_read_on_its_media_prefix(causal_service):
+    """The image's rows sit in the prefix every question shares (spec 4.8), read once."""
+    body = {"state": STATE, "images": [image_url(200, 100, seed=3)], "questions": question_set(5)}
+    prepared = causal_service.prepare(body)
+    engine = causal_service.engine
+    assert engine.runs_whole(prepared)
+    reused, whole = engine.run(prepared), engine.run(prepared, reuse_prefix=False)
+    for got, want in zip(reused, whole, strict=True):
+        assert max(abs(got.scores[k] - v) for k, v in want.scores.items()) <= 1e-5
+
+
+def test_one_question_is_one_row_of_a_shared_call(causal_service):
+    prepared = causal_service.prepare({"state": STATE, "questions": question_set(6)})
+    one = type(prepared)(prepared.request, prepared.questions[:1], prepared.prompts[:1], prepared.labels[:1])
+    assert not causal_service.engine.runs_whole(one)
+
+
+def test_the_bidirectional_mode_reads_every_whole_prompt(d3_service):
+    prepared = d3_service.prepare({"state": STATE, "questions": question_set(4)})
+    assert d3_service.engine.layout is None and not d3_service.engine.runs_whole(prepared)
