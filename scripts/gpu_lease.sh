@@ -21,7 +21,8 @@
 #                                                          systemone scripts pyproject.toml | tar -x -C .device/old`)
 #   then        bash scripts/gpu_lease.sh wait SECONDS     until both families' forms are written (d3 558 s,
 #                                                          d1 about 700 s after start at d3-nano and d1-3B)
-#   then        bash scripts/gpu_lease.sh bench STEP...    d1stages d1prompts d1bench d1before d3text d3mix d1mix;
+#   then        bash scripts/gpu_lease.sh bench STEP...    d1stages d1prompts d1bench d1before d3text d3mix d1mix
+#                                                          d3reuse d1reuse;
 #                                                          RUN and BTAG name the files of a repeated step
 # Between calls the machine stays warm for 30 s only: make them back to back, and read results only after the last
 # (the twenty-third run lost its machine, and its serve benches, to a pause of a few minutes spent reading a bench's
@@ -29,7 +30,8 @@
 # D3_SIZE and D1_SIZE (d3-nano, d1-3B) name the checkpoints' sizes: `tiny` for a dry run of the steps on a CPU
 # machine (HOME pointed at a scratch folder), where everything up to the forms' GPU gates runs. FAMILIES (d3 d1)
 # names the families `start` exports and `wait` waits for; one alone is not much faster (d1-3B's portable export
-# alone took 324 s, 281 s beside d3's).
+# alone took 324 s, 281 s beside d3's). D3_MODE (noncausal_full_attention) is the d3 checkpoint's attention mode:
+# `causal` for d3's prefix reuse (the d3reuse step, and the mix in that mode).
 set -uo pipefail
 step="$1"; shift
 GPU_ENV_DEFINE_ONLY=1 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"  # gpu_install, gpu_package
@@ -37,11 +39,12 @@ quiet() {
   grep -v "falling back\|Writing model\|Loading weights\|torchvision\|UserWarning\|warnings.warn\|W:onnxruntime"
 }
 d3size=${D3_SIZE:-d3-nano}; d1size=${D1_SIZE:-d1-3B}; families=${FAMILIES:-d3 d1}
-d3=~/work/$d3size-noncausal_full_attention; d1=~/work/$d1size--  # gpu_bench.sh's and gpu_serve_bench.sh's folders
+d3mode=${D3_MODE:-noncausal_full_attention}  # causal: d3's prefix reuse
+d3=~/work/$d3size-$d3mode; d1=~/work/$d1size--  # gpu_bench.sh's and gpu_serve_bench.sh's folders
 
 plan() {  # FAMILY -> its checkpoint's size, attention mode and CUDA form, and its folder (SIZE-MODE, as above)
   case $1 in
-  d3) echo "$d3size noncausal_full_attention cuda-fused-mixed $d3" ;;
+  d3) echo "$d3size $d3mode cuda-fused-mixed $d3" ;;
   d1) echo "$d1size - cuda-fused $d1" ;;
   *) echo "unknown family $1" >&2; return 1 ;;
   esac
@@ -95,7 +98,7 @@ start)
   rm -rf ~/repo && mkdir ~/repo && cp -r export runtime models server systemone scripts tests pyproject.toml ~/repo/
   gpu_package ~/repo
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  export -f chain plan quiet && export families d3size d1size d3 d1
+  export -f chain plan quiet && export families d3size d3mode d1size d3 d1
   for family in $families; do
     setsid nohup bash -c "chain $family" > ~/logs/"$family".log 2>&1 < /dev/null &
   done
@@ -151,12 +154,16 @@ bench)
           -- --max-batch-rows 32 | tail -1
       done ;;
     d3mix|d1mix)
-      size=$([ "$what" = d3mix ] && echo "$d3size noncausal_full_attention" || echo "$d1size -")
+      size=$([ "$what" = d3mix ] && echo "$d3size $d3mode" || echo "$d1size -")
       # The bench's lines are in its files; the time to the first answer and the start-up's choices are not.
       # shellcheck disable=SC2086  # two words: SIZE MODE
       (cd ~/repo && OUT=~/res REFERENCE=0 TAG="${RUN:-lease}" bash scripts/gpu_serve_bench.sh $size 12 \
         | grep "first answer\|systemone serve:\|batch rows\|cuda graphs")
       for f in ~/res/serve_bench_{,text1_}"${size// /_}_${RUN:-lease}".json; do summary "$f"; done ;;
+    d3reuse|d1reuse)  # the mix's four-question requests, the shared prefix read once against every whole prompt
+      art=$([ "$what" = d3reuse ] && echo "$d3" || echo "$d1")/artifact
+      (cd ~ && python3 ~/repo/scripts/prefix_reuse_timing.py "$art" --device cuda --repeats 10 2>&1 | quiet \
+        | tee ~/res/"$what".txt) ;;
     *) echo "unknown bench step $what" >&2 ;;
     esac
     echo "=== $what: $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,74 @@
+"""A request's graphs run with its questions' shared prefix read once (the default for d1 and causal d3) against every
+question's whole prompt read as a row (`Engine.run(prepared, reuse_prefix=False)`), alternating, on the seeds' mix
+requests of four questions (`systemone bench --serve`'s kinds: text and JSON states, the 40-option choice, the
+photo-sized JPEG, the 10 s 720p video; media loaded once, before the timing). Median (min) of --repeats, ms, and
+the text-graph tokens each way.
+
+    python scripts/prefix_reuse_timing.py ARTIFACT [--device cpu] [--repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from systemone.loadgen import RequestMix
+from systemone.runtime.artifact import Artifact
+from systemone.runtime.engine import EngineOptions
+from systemone.runtime.service import DecisionService
+from systemone.runtime.tokenizer import shared_prefix
+
+QUESTIONS = 4  # the mix's most: the case prefix reuse is for
+
+
+def four_question_bodies(family: str) -> dict[str, dict]:
+    """One body of four questions of each kind of the mix, as `systemone bench --serve` sends them."""
+    mix = RequestMix(family)
+    bodies: dict[str, dict] = {}
+    i = 0
+    while len(bodies) < len(mix.kinds):
+        kind, body = mix.body(i)
+        if len(body["questions"]) == QUESTIONS:
+            bodies.setdefault(kind, body)
+        i += 1
+    return bodies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
+    engine = service.engine
+    family = service.artifact.manifest.family
+    print(f"{args.artifact} ({family}) on {service.provider}")
+    try:
+        for kind, body in four_question_bodies(family).items():
+            prepared = service.prepare(body)
+            if not engine.runs_whole(prepared):
+                print(f"{kind}: the engine reads every whole prompt (no state, or a prefix too short to pay)")
+                continue
+            ids = [p.token_ids for p in prepared.prompts]
+            split = shared_prefix(ids)
+            whole_tokens, reused_tokens = sum(map(len, ids)), split + sum(len(i) - split for i in ids)
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for i in range(args.repeats + 1):
+                for reuse in (True, False) if i % 2 else (False, True):
+                    start = time.perf_counter()
+                    engine.run(prepared, reuse_prefix=reuse)
+                    if i:  # the first of each is a warm-up
+                        times[reuse].append((time.perf_counter() - start) * 1e3)
+            reused, whole = (np.array(times[k]) for k in (True, False))
+            print(f"{kind}: whole prompts {np.median(whole):.2f} (min {whole.min():.2f}) ms, {whole_tokens} tokens | "
+                  f"prefix once {np.median(reused):.2f} (min {reused.min():.2f}) ms, {reused_tokens} tokens | "
+                  f"{np.median(whole) / np.median(reused):.2f}x", flush=True)
+    finally:
+        service.close()
+
+
+if __name__ == "__main__":
+    main()
