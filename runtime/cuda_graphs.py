@@ -81,14 +81,23 @@ def _nbytes(value: ort.OrtValue) -> int:
 
 
 class _Scratch:
-    """Device memory for the outputs no caller reads (the state d1's rows add from an empty state): one buffer per
-    output, shared by every bucket. Replays run one at a time, so one bucket's unread state may overwrite another's.
-    A buffer too small for a new bucket is replaced by a larger one; the buckets captured on the old one keep it (a
-    CUDA graph holds its buffers' addresses), so `capture_buckets` captures the largest buckets first."""
+    """Device memory shared by every bucket. For the outputs no caller reads (the state d1's and causal d3's rows
+    add from an empty state): one buffer per output; replays run one at a time, so one bucket's unread state may
+    overwrite another's. A buffer too small for a new bucket is replaced by a larger one; the buckets captured on
+    the old one keep it (a CUDA graph holds its buffers' addresses), so `capture_buckets` captures the largest
+    buckets first. And for the read-only inputs every bucket is fed alike (causal d3's zero state, 18 MB at
+    d3-nano: 60 buckets would hold a gigabyte of copies): one device copy each, never written."""
 
     def __init__(self, device: str) -> None:
         self.device = device
         self.buffers: dict[str, ort.OrtValue] = {}
+        self.constants: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}  # by the array's id, the array kept alive
+
+    def constant(self, value: np.ndarray) -> ort.OrtValue:
+        held = self.constants.get(id(value))
+        if held is None:
+            held = self.constants[id(value)] = (value, ort.OrtValue.ortvalue_from_numpy(value, self.device, 0))
+        return held[1]
 
     def buffer(self, name: str, nbytes: int) -> ort.OrtValue:
         held = self.buffers.get(name)
@@ -117,18 +126,20 @@ class _Binding:
         outputs = probe.get_outputs()
         self.count = len(outputs)
         self.read = set(range(self.count) if read is None else read)
-        self.inputs = {name: ort.OrtValue.ortvalue_from_numpy(value, device, 0)
-                       for name, value in zip(feeds, held, strict=True)}
-        # Read-only feeds (a causal d3 graph's zero state, 18 MB at d3-nano) are copied again only when another
-        # array is given: the same one cannot have changed.
+        # Read-only feeds (a causal d3 graph's zero state) are bound to the scratch's one copy and never copied
+        # again: the same array (a shape's key names it) cannot have changed.
         self.constant = {name: value for name, value in feeds.items()
                          if isinstance(value, np.ndarray) and not value.flags.writeable}
+        self.inputs = {name: (scratch.constant(value) if name in self.constant
+                              else ort.OrtValue.ortvalue_from_numpy(value, device, 0))
+                       for name, value in zip(feeds, held, strict=True)}
         self.binding = session.io_binding()
         for name, value in self.inputs.items():
             self.binding.bind_ortvalue_input(name, value)
         self.outputs: dict[int, ort.OrtValue] = {}
         # The device memory this shape holds on its own (its scratch is shared).
-        self.nbytes = sum(v.nbytes for v in held) + sum(_nbytes(outputs[i]) for i in self.read)
+        self.nbytes = (sum(v.nbytes for name, v in zip(feeds, held, strict=True) if name not in self.constant)
+                       + sum(_nbytes(outputs[i]) for i in self.read))
         self.held: list[ort.OrtValue] = []  # the scratch buffers this shape's graph writes to, alive while it is
         for i, (meta, out) in enumerate(zip(session.get_outputs(), outputs, strict=True)):
             if i in self.read:
@@ -180,7 +191,9 @@ class CapturedRuns:
 
     @staticmethod
     def _key(feeds: dict[str, np.ndarray]) -> tuple:
-        return tuple((name, value.shape, value.dtype.str) for name, value in sorted(feeds.items()))
+        """A shape's key: each feed's shape and type, and a read-only feed's identity (its one device copy)."""
+        return tuple((name, value.shape, value.dtype.str, None if value.flags.writeable else id(value))
+                     for name, value in sorted(feeds.items()))
 
     def refused(self, feeds: dict[str, np.ndarray]) -> bool:
         return self._key(feeds) in self.too_large
@@ -188,7 +201,8 @@ class CapturedRuns:
     def nbytes(self) -> int:
         """The device memory the captured shapes' buffers hold, their shared scratch included."""
         held = {id(buffer): buffer for binding in self.bindings.values() for buffer in binding.held}
-        return sum(b.nbytes for b in self.bindings.values()) + sum(b.shape()[0] for b in held.values())
+        return (sum(b.nbytes for b in self.bindings.values()) + sum(b.shape()[0] for b in held.values())
+                + sum(value.nbytes for value, _ in self.scratch.constants.values()))
 
     def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[int] | None = None) -> list[np.ndarray]:
         """The replay's outputs copied back: all of them, or those at `outputs` (d1's reads; the state its rows add
@@ -208,7 +222,7 @@ class CapturedRuns:
                 self.bindings[key] = binding
             else:
                 for name, value in binding.inputs.items():
-                    if feeds[name] is not binding.constant.get(name):
+                    if name not in binding.constant:
                         value.update_inplace(np.ascontiguousarray(feeds[name]))
             self.session.run_with_iobinding(binding.binding, binding.run_options)
             wanted = range(binding.count) if outputs is None else outputs

@@ -5,6 +5,7 @@ checked here on the CPU."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -174,3 +175,37 @@ def test_only_the_thread_that_captured_replays_and_nothing_captures_after_warm_u
     assert runs.replays(small) and not runs.replays(other)  # a shape not captured at warm-up runs plainly
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(runs.replays, small).result() is False  # another thread's runs are plain
+
+
+def test_every_shape_reads_one_device_copy_of_causal_d3s_zero_state(d3_causal_artifact):
+    """A causal d3 graph's whole prompts start from a zero state (d3-nano's recurrent states are 18 MB): every
+    captured shape is bound to one device copy of it, never copied again, and the shapes' memory counts it once. A
+    shape's key names that array, so another array (even of the same zeros) is not replayed on it."""
+    from systemone.runtime.d3.state import D3StateLayout
+
+    fields = Artifact.load(d3_causal_artifact).manifest.model
+    session = GraphSession(d3_causal_artifact / "text.onnx", "cpu")
+    runner = CodeLogitsRunner(session, BatchBudget(), int(fields["hidden_size"]), D3StateLayout.from_manifest(fields))
+    runs = CapturedRuns(session.session, device="cpu")
+    rng = np.random.default_rng(0)
+
+    def feeds(batch: int, width: int) -> dict:
+        rows = [TextRow(rng.integers(0, 5000, n).tolist()) for n in rng.integers(1, width + 1, batch)]
+        return {**row_feeds(rows, runner.hidden, width), **runner.empty}
+
+    shapes = [feeds(4, 64), feeds(2, 32)]
+    for shape in shapes:
+        (got,) = runs.run(shape, [0])
+        (want,) = session.run(shape, fetch=["code_logits"])
+        assert np.abs(got - want).max() <= 1e-6
+    first, second = runs.bindings.values()
+    assert all(first.inputs[name] is second.inputs[name] for name in runner.empty)
+    zeros = sum(value.nbytes for value in runner.empty.values())
+    assert zeros > 0 and runs.nbytes() == (first.nbytes + second.nbytes + zeros
+                                           + sum(b.shape()[0] for b in {id(b): b for b in first.held}.values()))
+    copies = {name: value.copy() for name, value in runner.empty.items()}
+    for value in copies.values():
+        value.flags.writeable = False
+    again = {**shapes[1], **copies}
+    runs.capturing, runs.thread = False, threading.get_ident()  # as after warm-up, on the thread that captured
+    assert runs.replays(shapes[1]) and not runs.replays(again)
