@@ -54,6 +54,11 @@ class CallCost:
         """What one more call costs before its tokens: its fixed part, or the floor where that is more."""
         return max(self.floor_s, self.fixed_s)
 
+    def prefix_pays(self, questions: int, prefix_tokens: int) -> bool:
+        """Whether reading a prefix the `questions` share once, then their suffixes on it, saves more than the call
+        it adds: the prefix's tokens times the questions but one, against a call's fixed part."""
+        return (questions - 1) * prefix_tokens * self.token_s > self.call_s
+
     def describe(self) -> str:
         floor = f", at least {self.floor_s * 1000:.2f} ms" if self.floor_s > self.fixed_s else ""
         return f"{self.fixed_s * 1000:.2f} ms a call + {self.token_s * 1e6:.2f} us a padded token{floor}"

@@ -10,9 +10,10 @@ the text-graph tokens each way.
 from __future__ import annotations
 
 import argparse
-import time
+from functools import partial
 
 import numpy as np
+from timing import alternating_ms
 
 from systemone.loadgen import RequestMix
 from systemone.runtime.artifact import Artifact
@@ -55,14 +56,9 @@ def main() -> None:
             ids = [p.token_ids for p in prepared.prompts]
             split = shared_prefix(ids)
             whole_tokens, reused_tokens = sum(map(len, ids)), split + sum(len(i) - split for i in ids)
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for i in range(args.repeats + 1):
-                for reuse in (True, False) if i % 2 else (False, True):
-                    start = time.perf_counter()
-                    engine.run(prepared, reuse_prefix=reuse)
-                    if i:  # the first of each is a warm-up
-                        times[reuse].append((time.perf_counter() - start) * 1e3)
-            reused, whole = (np.array(times[k]) for k in (True, False))
+            times = alternating_ms((True, False), lambda reuse, i: partial(engine.run, prepared, reuse_prefix=reuse),
+                                   args.repeats)
+            reused, whole = times[True], times[False]
             print(f"{kind}: whole prompts {np.median(whole):.2f} (min {whole.min():.2f}) ms, {whole_tokens} tokens | "
                   f"prefix once {np.median(reused):.2f} (min {reused.min():.2f}) ms, {reused_tokens} tokens | "
                   f"{np.median(whole) / np.median(reused):.2f}x", flush=True)

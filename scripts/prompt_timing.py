@@ -9,9 +9,11 @@ alternating, on the requests `systemone bench` sends for ARTIFACT's family. Medi
 from __future__ import annotations
 
 import argparse
-import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
+from timing import alternating_ms
 
 from systemone.bench import WORKLOADS
 from systemone.runtime.artifact import Artifact
@@ -33,16 +35,13 @@ def main() -> None:
     try:
         for name, body in WORKLOADS[service.artifact.manifest.family].requests().items():
             for stage, run in (("prepare", service.prepare), ("decide", service.decide)):
-                times: dict[bool, list[float]] = {True: [], False: []}
-                for i in range(args.repeats + 1):
-                    for share in (True, False) if i % 2 else (False, True):
-                        tokenizer.share_starts = share
-                        request = body(i)
-                        start = time.perf_counter()
-                        run(request)
-                        if i:  # the first of each is a warm-up
-                            times[share].append((time.perf_counter() - start) * 1e3)
-                shared, whole = (np.array(times[k]) for k in (True, False))
+
+                def call(share: bool, i: int, run=run, body=body) -> Callable[[], object]:
+                    tokenizer.share_starts = share
+                    return partial(run, body(i))
+
+                times = alternating_ms((True, False), call, args.repeats)
+                shared, whole = times[True], times[False]
                 print(f"{name} {stage}: whole prompts {np.median(whole):.2f} (min {whole.min():.2f}) | shared start "
                       f"{np.median(shared):.2f} (min {shared.min():.2f}) | {np.median(whole) / np.median(shared):.2f}x",
                       flush=True)

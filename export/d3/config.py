@@ -194,11 +194,11 @@ class D3ExportConfig(ExportConfig):
         layout = self.state_layout
         if layout is not None:
             past = torch.export.Dim("past", max=1 << 24)  # one length for every layer's keys and values
-            text_shapes["states"] = tuple({2: past} if "_key_" in name or "_value_" in name else None
-                                          for name in layout.names("past"))
-            inputs, outputs = inputs + layout.names("past"), outputs + layout.names("new")
-            axes = {**axes, **{name: {2: "past"} for name in layout.names("past")
-                               if "_key_" in name or "_value_" in name}}
+            names = layout.names("past")
+            growing = [name for name in names if "_key_" in name or "_value_" in name]  # [1, KV heads, P, D]
+            text_shapes["states"] = tuple({2: past} if name in growing else None for name in names)
+            inputs, outputs = inputs + names, outputs + layout.names("new")
+            axes = {**axes, **{name: {2: "past"} for name in growing}}
         return [
             GraphSpec("text", inputs, outputs, axes, text_shapes, self.graph, self.example_inputs),
             GraphSpec("vision", VISION_INPUTS, VISION_OUTPUTS, VISION_AXES,

@@ -52,15 +52,14 @@ class GatedDeltaNetLayer(nn.Module):
         super().__init__()
         self.hf = hf
         self.fused = fused
+        self.sizes = [hf.key_dim, hf.key_dim, hf.value_dim]  # query, key, value in the joint projection
         if fused:
             # One product and one convolution each for query, key and value, on row slices of the joint weights:
             # the node reads them apart, and a Split of the joint output was one more copy of it a layer.
-            sizes = [hf.key_dim, hf.key_dim, hf.value_dim]
             if hf.in_proj_qkv.bias is not None or hf.conv1d.bias is not None:
                 raise ValueError("the fused Gated DeltaNet layer takes no in-projection or convolution bias")
-            self.qkv_weights = row_blocks(hf.in_proj_qkv.weight, sizes)
-            self.conv_weights = row_blocks(hf.conv1d.weight, sizes)
-        self.sizes = [hf.key_dim, hf.key_dim, hf.value_dim]
+            self.qkv_weights = row_blocks(hf.in_proj_qkv.weight, self.sizes)
+            self.conv_weights = row_blocks(hf.conv1d.weight, self.sizes)
 
     def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor, past: tuple[torch.Tensor, ...] | None = None):
         """The layer's output; with `past` (the convolution's last K - 1 inputs [1, C, K - 1] and the delta rule's

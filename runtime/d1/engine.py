@@ -251,7 +251,7 @@ class D1Engine(Engine):
         if len(ids) == 1:
             return False
         cost = self.runner.cost or UNMEASURED_COST
-        return bool((len(ids) - 1) * shared_prefix(ids) * cost.token_s > cost.call_s)
+        return cost.prefix_pays(len(ids), shared_prefix(ids))
 
     def rows(self, prepared: Prepared, encoded: Any) -> list[TextRow]:
         return [TextRow(prompt.token_ids, label_ids=tuple(labels.ids))

@@ -136,14 +136,14 @@ class D3Engine(Engine):
 
     def _reused_prefix(self, prepared: Prepared) -> int:
         """The tokens of the prefix read once for this request's questions; 0 where every whole prompt is read: a
-        graph without state, one question, or a prefix that saves less than the call it adds (its tokens times
-        the questions but one, at the measured cost a token, against a call's fixed part, as d1 weighs it)."""
+        graph without state, one question, or a prefix that saves less than the call it adds
+        (`CallCost.prefix_pays`, as d1 weighs it)."""
         ids = [p.token_ids for p in prepared.prompts]
         if self.layout is None or len(ids) < 2:
             return 0
         split = shared_prefix(ids)
         cost = self.runner.cost or UNMEASURED_COST
-        return split if (len(ids) - 1) * split * cost.token_s > cost.call_s else 0
+        return split if cost.prefix_pays(len(ids), split) else 0
 
     def runs_whole(self, prepared: Prepared) -> bool:
         """Whether the request's questions are read on its prefix, read once (`run`), rather than as rows of their
