@@ -53,6 +53,7 @@ class Precision:
             return {node.name for node in graph.node if node.op_type not in blocked_ops}
         values = [*graph.input, *graph.value_info, *graph.output]
         floats = {v.name for v in values if v.type.tensor_type.elem_type == float32}
+        typed = {v.name for v in values}
         scalars = {name for name, t in weights.items() if int(np.prod(t.dims)) <= 1}
         floats |= set(weights) - scalars
         half: set[str] = set()
@@ -74,7 +75,9 @@ class Precision:
                 halved = False
             if halved:
                 half.add(node.name)
-                half_values.update(name for name in node.output if name in floats)
+                # A fused op's second output may be untyped in the export (CausalConvWithState's present state):
+                # it is the op's T, so fp16 too, and what reads it follows.
+                half_values.update(name for name in node.output if name in floats or (name and name not in typed))
             if _is_cast(node, float16) or (node.op_type in _RESULT_TYPED_BY_QUERY and node.input[0] in half_values):
                 half_values.add(node.output[0])  # fp16 whatever the converter does (the export may not type it)
         return half

@@ -6,11 +6,13 @@ every whole prompt read alone (<= 1e-5 on the fp32 graph). The bidirectional mod
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 
 from systemone.export.d3.answer_parity import question_set
+from systemone.export.pipeline import add_forms
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, MediaRows, TextRow
@@ -76,12 +78,28 @@ def test_media_rows_in_the_prefix_are_read_once_for_every_suffix(d3_causal_artif
     assert np.abs(runner.read_suffixes(state, suffix_rows(40, suffixes)) - whole).max() <= 1e-5
 
 
-def test_a_fused_forms_suffix_reads_match_its_whole_prompts(d3_causal_artifact):
+@pytest.fixture(scope="module")
+def causal_mixed_artifact(d3_causal_checkpoint, d3_causal_artifact, tmp_path_factory):
+    """A copy of the causal artifact with the form d3-nano is served in on CUDA: fp16 products and fused ops, the
+    delta rule's state fp32 (export/half_precision.py's float16-mixed), written only if its gate passes."""
+    out = tmp_path_factory.mktemp("causal-mixed") / "art"
+    shutil.copytree(d3_causal_artifact, out)
+    manifest = add_forms(str(d3_causal_checkpoint), out, forms=["cuda-fused-mixed"])
+    assert manifest.forms["cuda-fused-mixed"].refused is None, manifest.forms["cuda-fused-mixed"].refused
+    return out
+
+
+@pytest.mark.parametrize("which", ["the ladder's", "cuda-fused-mixed"])
+def test_a_fused_forms_suffix_reads_match_its_whole_prompts(which, request):
     """The CUDA form's graph (fused convolution with its window, delta rule from a state, attention over the past;
     run here by onnxruntime's CPU kernels) reads suffixes on a prefix as it reads the whole prompts (half
-    precision: the codes' probabilities within 2e-3; the logits, about 3 in size, within fp16's rounding)."""
-    form = Artifact.load(d3_causal_artifact).forms_for("cuda")[0]
-    runner = runner_for(d3_causal_artifact, f"text.{form}.onnx")
+    precision: the codes' probabilities within 2e-3; the logits, about 3 in size, within fp16's rounding). Both the
+    form the tiny export's ladder writes and the mixed one: there the convolution's window leaves the fused node
+    untyped, and a converter that took it for fp32 wrote a graph onnxruntime refused to load."""
+    artifact = request.getfixturevalue("d3_causal_artifact" if which == "the ladder's" else "causal_mixed_artifact")
+    form = Artifact.load(artifact).forms_for("cuda")[0]
+    assert which == "the ladder's" or form == which
+    runner = runner_for(artifact, f"text.{form}.onnx")
     rng = np.random.default_rng(2)
     prefix = rng.integers(0, 5000, 90).tolist()
     suffixes = [rng.integers(0, 5000, n).tolist() for n in (2, 41, 70)]
