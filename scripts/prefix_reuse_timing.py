@@ -2,7 +2,10 @@
 question's whole prompt read as a row (`Engine.run(prepared, reuse_prefix=False)`), alternating, on the seeds' mix
 requests of four questions (`systemone bench --serve`'s kinds: text and JSON states, the 40-option choice, the
 photo-sized JPEG, the 10 s 720p video; media loaded once, before the timing). Median (min) of --repeats, ms, and
-the text-graph tokens each way.
+the text-graph tokens each way, and the way serve takes: the call cost measured as at start-up
+(`DecisionService.batch_sizing`) weighs the tokens the prefix saves against the call it adds
+(`CallCost.prefix_pays`). Both ways are timed whatever serve would take, uncaptured (no CUDA graphs), as serve runs
+a request read on its prefix.
 
     python scripts/prefix_reuse_timing.py ARTIFACT [--device cpu] [--repeats 10]
 """
@@ -17,6 +20,7 @@ from timing import alternating_ms
 
 from systemone.loadgen import RequestMix
 from systemone.runtime.artifact import Artifact
+from systemone.runtime.batch import UNMEASURED_COST
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from systemone.runtime.tokenizer import shared_prefix
@@ -46,7 +50,9 @@ def main() -> None:
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
     engine = service.engine
     family = service.artifact.manifest.family
-    print(f"{args.artifact} ({family}) on {service.provider}")
+    cost = service.batch_sizing().cost or UNMEASURED_COST
+    engine.use_call_cost(UNMEASURED_COST)  # a prefix of a few tokens pays: both ways are timed for every kind
+    print(f"{args.artifact} ({family}) on {service.provider}; a call costs {cost.describe()}")
     try:
         for kind, body in four_question_bodies(family).items():
             prepared = service.prepare(body)
@@ -59,9 +65,10 @@ def main() -> None:
             times = alternating_ms((True, False), lambda reuse, i: partial(engine.run, prepared, reuse_prefix=reuse),
                                    args.repeats)
             reused, whole = times[True], times[False]
+            served = "prefix once" if cost.prefix_pays(len(ids), split) else "whole prompts"
             print(f"{kind}: whole prompts {np.median(whole):.2f} (min {whole.min():.2f}) ms, {whole_tokens} tokens | "
                   f"prefix once {np.median(reused):.2f} (min {reused.min():.2f}) ms, {reused_tokens} tokens | "
-                  f"{np.median(whole) / np.median(reused):.2f}x", flush=True)
+                  f"{np.median(whole) / np.median(reused):.2f}x | serve: {served}", flush=True)
     finally:
         service.close()
 
