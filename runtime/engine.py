@@ -40,6 +40,9 @@ class EngineOptions:
     form: str = "auto"  # which of the artifact's forms to run (auto: the best for the device; docs/artifact.md)
     gpu_memory: int | None = None  # bytes each graph's CUDA arena may hold (--gpu-memory); None: unbounded
     cuda_graphs: bool = True  # capture small text-graph runs as CUDA graphs where the graph allows (CUDA only)
+    # Read a request's shared prefix once for its questions where that saves more than the call it adds (d1,
+    # causal d3); False: every question's whole prompt, as a row of its own (--no-prefix-reuse).
+    prefix_reuse: bool = True
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Engine(ABC):
     # its rows join calls or, for a request run whole, before its `run`.
     encodes_media_apart: bool = False
     budget: BatchBudget | None = None  # the budget every text-graph call stays within (engines that share batches)
+    reads_prefixes: bool = False  # whether its text graph carries state, so a shared prefix can be read once
 
     @abstractmethod
     def __init__(self, artifact: Artifact, options: EngineOptions):

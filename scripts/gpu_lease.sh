@@ -23,7 +23,9 @@
 #                                                          d1 about 700 s after start at d3-nano and d1-3B)
 #   then        bash scripts/gpu_lease.sh bench STEP...    d1stages d1prompts d1bench d1before d3text d3mix d1mix
 #                                                          d3reuse d1reuse;
-#                                                          RUN and BTAG name the files of a repeated step
+#                                                          RUN and BTAG name the files of a repeated step;
+#                                                          SERVE_ARGS (e.g. --no-prefix-reuse, with RUN=noreuse)
+#                                                          goes to the mixes' server
 # Between calls the machine stays warm for 30 s only: make them back to back, and read results only after the last
 # (the twenty-third run lost its machine, and its serve benches, to a pause of a few minutes spent reading a bench's
 # figures). Results go to ~/res, and to $OUT as one results.tgz (a call brings back at most 8 files).

@@ -61,7 +61,7 @@ def _service(args: argparse.Namespace):
     options = EngineOptions(device=args.device, max_model_len=args.max_model_len,
                             max_batch_tokens=args.max_batch_tokens, fetch_policy=fetch_policy(args, os.environ),
                             form=args.form, gpu_memory=_gib_bytes(args.gpu_memory),
-                            cuda_graphs=not args.no_cuda_graphs)
+                            cuda_graphs=not args.no_cuda_graphs, prefix_reuse=not args.no_prefix_reuse)
     return DecisionService(Artifact.load(args.artifact), options, served_model_names=args.served_model_name or None,
                            media_limits=MediaLimits(args.limit_images, args.limit_videos),
                            aliases=() if args.no_jev_latest_alias else DEFAULT_ALIASES,
@@ -188,6 +188,9 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
                  or "none: media URLs are fetched directly" + (" (--no-media-proxy)" * args.no_media_proxy))
     batch_tokens = (f"{budget.max_batch_tokens} padded tokens a call at most" if budget is not None
                     else "one request a call: this family's engine shares no batches")
+    reuse = ("none: the text graph carries no state (d3's bidirectional mode), every whole prompt is read"
+             if not service.engine.reads_prefixes else "off (--no-prefix-reuse): every whole prompt is read"
+             if args.no_prefix_reuse else "on: a request's shared prefix read once where it saves more than a call")
     for key, value in (("model", ", ".join(service.served_model_names) + aliases),
                        ("artifact", f"{args.artifact} (family {manifest.family}, source {manifest.source})"),
                        ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),
@@ -196,6 +199,7 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
                        ("proxy", proxy),
                        ("max model len", str(service.max_model_len)),
                        ("batch tokens", batch_tokens),
+                       ("prefix reuse", reuse),
                        ("address", f"http://{args.host}:{args.port}/v1/systemone")):
         print(f"systemone serve: {key:<13} {value}", flush=True)
 
@@ -285,6 +289,10 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every text-graph call uncaptured (by default, on CUDA, small batches replay CUDA "
                              "graphs captured at start-up where the form allows it)")
+    parser.add_argument("--no-prefix-reuse", action="store_true",
+                        help="read every question's whole prompt (by default d1 and causal d3 read the prefix a "
+                             "request's questions share once, then each question on its state, where that saves "
+                             "more than the call it adds)")
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="name(s) the model answers to; the first is reported (default: the checkpoint's own "
                              "name from the manifest: the hub id, or the checkpoint directory's name)")

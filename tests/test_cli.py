@@ -199,6 +199,19 @@ def test_max_batch_tokens_bounds_a_text_graph_call_but_never_below_the_longest_d
     assert f"systemone serve: batch tokens  {held} padded tokens a call at most" in out.splitlines()
 
 
+@pytest.mark.parametrize(("artifact", "flags", "said"), [
+    ("d3_artifact", [], "none: the text graph carries no state"),
+    ("d3_causal_artifact", [], "on: a request's shared prefix read once where it saves more than a call"),
+    ("d3_causal_artifact", ["--no-prefix-reuse"], "off (--no-prefix-reuse): every whole prompt is read")])
+def test_serve_says_whether_a_requests_shared_prefix_is_read_once(capsys, monkeypatch, request, artifact, flags, said):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    code, out, _ = run(capsys, "serve", str(request.getfixturevalue(artifact)), "--device", "cpu", *flags)
+    assert code == 0
+    assert any(line.startswith(f"systemone serve: prefix reuse  {said}") for line in out.splitlines()), out
+
+
 def test_ask_answers_the_sample_request(capsys, d3_artifact):
     code, out, _ = run(capsys, "ask", str(d3_artifact), "--request", str(REQUEST), "--device", "cpu")
     assert code == 0 and json.loads(out)["model"] == "d3-tiny"

@@ -12,6 +12,7 @@ import pytest
 from systemone.export.d1.answer_parity import compare, parity_requests, sixteen_questions
 from systemone.export.d1.config import D1ExportConfig
 from systemone.models.family import Readout
+from tests.answer_helpers import max_probability_diff
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +127,22 @@ def test_the_prefix_is_prefilled_in_chunks_within_the_attention_budget(d1_servic
         runner.budget = budget
     for a, b in zip(whole, chunked):
         assert np.abs(np.array(a.probs) - np.array(b.probs)).max() < 1e-5
+
+
+def test_with_prefix_reuse_off_every_whole_prompt_is_read_with_the_same_answers(d1_artifact, d1_service,
+                                                                                 monkeypatch):
+    """`--no-prefix-reuse`: no prefix is prefilled for an image request or a many-question one; each question's
+    whole prompt is read, as the default's answers within 1e-5."""
+    from systemone.runtime.artifact import Artifact
+    from systemone.runtime.engine import EngineOptions
+    from systemone.runtime.service import DecisionService
+
+    service = DecisionService(Artifact.load(d1_artifact), EngineOptions(device="cpu", prefix_reuse=False),
+                              served_model_names=["LiquidAI/d1-tiny"])
+    monkeypatch.setattr(service.engine.runner, "extend", lambda *a, **k: pytest.fail("a prefix was prefilled"))
+    try:
+        for body in (sixteen_questions(True), sixteen_questions(False)):
+            assert service.engine.runs_whole(service.prepare(body)) == ("images" in body)
+            assert max_probability_diff(service.decide(body)["answers"], d1_service.decide(body)["answers"]) <= 1e-5
+    finally:
+        service.close()

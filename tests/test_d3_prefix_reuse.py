@@ -21,6 +21,7 @@ from systemone.runtime.d3.state import D3StateLayout
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from systemone.runtime.session import GraphSession
+from tests.answer_helpers import max_probability_diff
 
 STATE = {"ticket": "The parcel arrived crushed; the customer wants a refund and a replacement.", "tier": "gold"}
 
@@ -141,3 +142,20 @@ def test_one_question_is_one_row_of_a_shared_call(causal_service):
 def test_the_bidirectional_mode_reads_every_whole_prompt(d3_service):
     prepared = d3_service.prepare({"state": STATE, "questions": question_set(4)})
     assert d3_service.engine.layout is None and not d3_service.engine.runs_whole(prepared)
+
+
+def test_with_prefix_reuse_off_a_requests_questions_are_rows_of_shared_calls_with_the_same_answers(
+        d3_causal_artifact, causal_service, monkeypatch):
+    """`--no-prefix-reuse`: nothing is prefilled; each question's whole prompt is a row the scheduler may share with
+    other requests' rows, and the answers are the default's within 1e-5 (an image request too)."""
+    service = DecisionService(Artifact.load(d3_causal_artifact), EngineOptions(device="cpu", prefix_reuse=False))
+    monkeypatch.setattr(service.engine.runner, "prefill", lambda *a, **k: pytest.fail("a prefix was prefilled"))
+    try:
+        for body in ({"state": STATE, "questions": question_set(4) | question_set(9)},
+                     {"state": STATE, "images": [image_url(200, 100, seed=3)], "questions": question_set(5)}):
+            assert causal_service.engine.runs_whole(causal_service.prepare(body))
+            assert not service.engine.runs_whole(service.prepare(body))
+            assert max_probability_diff(service.decide(body)["answers"],
+                                        causal_service.decide(body)["answers"]) <= 1e-5
+    finally:
+        service.close()

@@ -60,6 +60,7 @@ class D1Engine(Engine):
     # runs whole (on a GPU its images encoded first, in the media lane, beside other requests' text calls).
     shares_batches = True
     encodes_media_apart = True
+    reads_prefixes = True
 
     def __init__(self, artifact: Artifact, options: EngineOptions):
         fields = artifact.manifest.model
@@ -73,6 +74,7 @@ class D1Engine(Engine):
                                     options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
         layout = StateLayout.from_manifest(fields)
         self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads)
+        self.prefix_reuse = options.prefix_reuse
         self.runner = D1TextRunner(self.session, layout, self.budget)
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
                                            options.gpu_memory)
@@ -198,10 +200,12 @@ class D1Engine(Engine):
     def run(self, prepared: Prepared, run_options: Any = None, encoded: np.ndarray | None = None,
             reuse_prefix: bool = True) -> list[Readout]:
         """Each question's label log-probabilities and greedy token. With `reuse_prefix` (the default) the shared
-        prefix runs once and the questions run as suffixes on its state; without, every whole prompt runs (the
-        baseline the prefix saving is measured against)."""
+        prefix runs once and the questions run as suffixes on its state; without, or with reuse turned off, every
+        whole prompt runs (the baseline the prefix saving is measured against)."""
         label_ids = sorted({i for g in prepared.labels for i in g.ids})
         ids = [p.token_ids for p in prepared.prompts]
+        # A prompt longer than one call is still read in parts, each on the state the last left, whatever the flag.
+        reuse_prefix = reuse_prefix and (self.prefix_reuse or not all(self.budget.fits(1, len(i)) for i in ids))
         media = None
         if prepared.media is not None:
             embeds = encoded if encoded is not None else self.encode_media(prepared, run_options)
@@ -244,11 +248,12 @@ class D1Engine(Engine):
         adds: otherwise each question is a row of its own (its whole prompt, exact), in calls shared with other
         requests. With a GPU's launch-bound calls (d1-3B on an H200: 6.8 ms a call, 12.4 us a token), two or three
         short questions were a prefill and a read of their own: two calls where one shared call does. The call
-        added is weighed at its fixed part, or at the cost model's floor where that is more."""
+        added is weighed at its fixed part, or at the cost model's floor where that is more. With reuse turned
+        off, only images and prompts too long for one call keep a request whole."""
         ids = [p.token_ids for p in prepared.prompts]
         if prepared.media is not None or not all(self.budget.fits(1, len(i)) for i in ids):
             return True
-        if len(ids) == 1:
+        if len(ids) == 1 or not self.prefix_reuse:
             return False
         cost = self.runner.cost or UNMEASURED_COST
         return cost.prefix_pays(len(ids), shared_prefix(ids))

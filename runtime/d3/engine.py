@@ -59,6 +59,8 @@ class D3Engine(Engine):
                                     options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
         # None for a bidirectional artifact, or a causal one exported before prefix reuse: whole prompts only.
         self.layout = D3StateLayout.from_manifest(fields)
+        self.reads_prefixes = self.layout is not None
+        self.prefix_reuse = options.prefix_reuse
         self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]), self.layout)
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
                                            options.gpu_memory)
@@ -136,10 +138,10 @@ class D3Engine(Engine):
 
     def _reused_prefix(self, prepared: Prepared) -> int:
         """The tokens of the prefix read once for this request's questions; 0 where every whole prompt is read: a
-        graph without state, one question, or a prefix that saves less than the call it adds
-        (`CallCost.prefix_pays`, as d1 weighs it)."""
+        graph without state, one question, a prefix that saves less than the call it adds
+        (`CallCost.prefix_pays`, as d1 weighs it), or reuse turned off."""
         ids = [p.token_ids for p in prepared.prompts]
-        if self.layout is None or len(ids) < 2:
+        if self.layout is None or len(ids) < 2 or not self.prefix_reuse:
             return 0
         split = shared_prefix(ids)
         cost = self.runner.cost or UNMEASURED_COST
