@@ -188,9 +188,12 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
                  or "none: media URLs are fetched directly" + (" (--no-media-proxy)" * args.no_media_proxy))
     batch_tokens = (f"{budget.max_batch_tokens} padded tokens a call at most" if budget is not None
                     else "one request a call: this family's engine shares no batches")
-    reuse = ("none: the text graph carries no state (d3's bidirectional mode), every whole prompt is read"
-             if not service.engine.reads_prefixes else "off (--no-prefix-reuse): every whole prompt is read"
-             if args.no_prefix_reuse else "on: a request's shared prefix read once where it saves more than a call")
+    if not service.engine.reads_prefixes:
+        reuse = "none: the text graph carries no state (d3's bidirectional mode), every whole prompt is read"
+    elif args.no_prefix_reuse:
+        reuse = "off (--no-prefix-reuse): every whole prompt is read"
+    else:
+        reuse = "on: a request's shared prefix read once where it saves more than a call"
     for key, value in (("model", ", ".join(service.served_model_names) + aliases),
                        ("artifact", f"{args.artifact} (family {manifest.family}, source {manifest.source})"),
                        ("provider", f"{service.provider} (--device {args.device})"), ("precision", precision),

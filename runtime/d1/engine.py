@@ -205,12 +205,12 @@ class D1Engine(Engine):
         label_ids = sorted({i for g in prepared.labels for i in g.ids})
         ids = [p.token_ids for p in prepared.prompts]
         # A prompt longer than one call is still read in parts, each on the state the last left, whatever the flag.
-        reuse_prefix = reuse_prefix and (self.prefix_reuse or not all(self.budget.fits(1, len(i)) for i in ids))
+        reuse_prefix = reuse_prefix and (self.prefix_reuse or not self._each_fits_one_call(ids))
         media = None
         if prepared.media is not None:
             embeds = encoded if encoded is not None else self.encode_media(prepared, run_options)
             media = media_rows(ids[0], self.image_token_id, embeds)
-        if reuse_prefix and len(ids) == 1 and media is None and self.budget.fits(1, len(ids[0])):
+        if reuse_prefix and len(ids) == 1 and media is None and self._each_fits_one_call(ids):
             # One question without images has nothing to share: its whole prompt is one call from an empty state,
             # as its row in a shared call would be (a captured bucket's replay where it fits one), not a prefill
             # and a one-token read (two launch-bound calls on a GPU).
@@ -251,12 +251,16 @@ class D1Engine(Engine):
         added is weighed at its fixed part, or at the cost model's floor where that is more. With reuse turned
         off, only images and prompts too long for one call keep a request whole."""
         ids = [p.token_ids for p in prepared.prompts]
-        if prepared.media is not None or not all(self.budget.fits(1, len(i)) for i in ids):
+        if prepared.media is not None or not self._each_fits_one_call(ids):
             return True
         if len(ids) == 1 or not self.prefix_reuse:
             return False
         cost = self.runner.cost or UNMEASURED_COST
         return cost.prefix_pays(len(ids), shared_prefix(ids))
+
+    def _each_fits_one_call(self, ids: Sequence[Sequence[int]]) -> bool:
+        """Whether every prompt can be read whole in one call (a longer one is read in parts on its state)."""
+        return all(self.budget.fits(1, len(i)) for i in ids)
 
     def rows(self, prepared: Prepared, encoded: Any) -> list[TextRow]:
         return [TextRow(prompt.token_ids, label_ids=tuple(labels.ids))
