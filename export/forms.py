@@ -16,7 +16,7 @@ from typing import Any
 from ..runtime.artifact import FormEntry, Manifest
 from .answer_gate import gate_answers
 from .config import ExportConfig, GraphSpec, HalfForm, ParityError
-from .graph_export import export_graph
+from .graph_export import GraphExports, SpecKey
 from .half_precision import Precision, convert_to_half
 
 HALF_DTYPE = "float16"
@@ -37,19 +37,32 @@ class _FormSources:
     """The fp32 exports of the graphs forms export themselves (`HalfForm.sources`): each written once, however many
     forms of the ladder convert it, and removed when the forms are written."""
 
-    def __init__(self, staging: Path, progress: Callable[[str], None]):
-        self.staging, self.progress = staging, progress
-        self.paths: dict[int, Path] = {}  # by the spec's identity: the forms of one ladder share their specs
+    def __init__(self, staging: Path, progress: Callable[[str], None], exports: GraphExports):
+        self.staging, self.progress, self.exports = staging, progress, exports
+        # By the spec's identity (the forms of one ladder share their specs): its key and file.
+        self.planned: dict[int, tuple[SpecKey, Path]] = {}
+        self.paths: dict[int, Path] = {}
+
+    def start(self, forms: Sequence[HalfForm]) -> None:
+        """Each source of `forms` given its file, and begun where the exports run in workers."""
+        for form in forms:
+            for graph, spec in form.sources.items():
+                if id(spec) not in self.planned:
+                    path = self.staging / f"{graph}.source{len(self.planned)}.float32.onnx"
+                    self.planned[id(spec)] = (("form", form.name, graph), path)
+                    self.exports.start(*self.planned[id(spec)])
 
     def path(self, graph: str, spec: GraphSpec) -> Path:
         if id(spec) not in self.paths:
             self.progress(f"exporting the {graph} graph with onnxruntime's fused ops (fp32, before conversion)")
-            target = self.staging / f"{graph}.source{len(self.paths)}.float32.onnx"
-            self.paths[id(spec)] = export_graph(spec, target)
+            key, path = self.planned[id(spec)]
+            self.paths[id(spec)] = self.exports.wait(spec, key, path)
         return self.paths[id(spec)]
 
     def remove(self) -> None:
-        remove_form_files(self.staging, {str(key): path.name for key, path in self.paths.items()})
+        for _, path in self.planned.values():
+            self.exports.forget(path)
+        remove_form_files(self.staging, {str(key): path.name for key, (_, path) in self.planned.items()})
 
 
 class _Conversions:
@@ -110,12 +123,23 @@ def form_steps(forms: list[HalfForm]) -> int:
     return 2 * len(forms) + len({id(spec) for form in forms for spec in form.sources.values()})
 
 
+def start_sources(forms: list[HalfForm], staging: Path, exports: GraphExports,
+                  progress: Callable[[str], None]) -> _FormSources:
+    """The graphs `forms` export themselves, planned in `staging` and begun where `exports` runs workers: pass it
+    to `write_forms`."""
+    sources = _FormSources(staging, progress, exports)
+    sources.start(forms)
+    return sources
+
+
 def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, manifest: Manifest, device: str,
-                progress: Callable[[str], None]) -> Manifest:
+                progress: Callable[[str], None], sources: _FormSources | None = None) -> Manifest:
     """Each of `forms` (the config's) written and gated in `staging`, but none after a written one for the same
-    providers; the manifest that records them (written)."""
+    providers; the manifest that records them (written). `sources`: the forms' own graphs as `start_sources`
+    planned them (by default exported here, when a form needs them)."""
     written: set[tuple[str, ...]] = set()
-    sources, conversions = _FormSources(staging, progress), _Conversions(staging)
+    sources = sources or start_sources(forms, staging, GraphExports(type(config)), progress)
+    conversions = _Conversions(staging)
     try:
         for form in forms:
             if form.providers in written:

@@ -22,8 +22,8 @@ from ..models.registry import FAMILIES, FamilyRegistry
 from ..runtime.artifact import GraphEntry, Manifest
 from ..runtime.session import resolve_device
 from .config import ExportConfig, HalfForm, ParityError
-from .forms import form_steps, remove_form_files, write_forms
-from .graph_export import OPSET, export_graph
+from .forms import form_steps, remove_form_files, start_sources, write_forms
+from .graph_export import OPSET, GraphExports
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
 from .source import checkpoint_name, file_hashes, resolve_checkpoint
 
@@ -72,10 +72,11 @@ def symbolic_axes(model_path: Path, axes: dict[str, dict[int, str]]) -> dict[str
 def export_checkpoint(source: str, out: str | Path, *, revision: str | None = None, atol: float = DEFAULT_ATOL,
                       prob_atol: float = DEFAULT_PROB_ATOL, lengths: Sequence[int] = PARITY_LENGTHS,
                       overwrite: bool = False, seed: int = 0, families: FamilyRegistry = FAMILIES,
-                      forms: Sequence[str] | None = None, gate_device: str = "auto") -> Path:
+                      forms: Sequence[str] | None = None, gate_device: str = "auto", jobs: int = 1) -> Path:
     """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`, with the family's
     half-precision `forms` (None: every one it declares; empty: the portable graphs only), their answer gates run
-    on `gate_device` (auto: CUDA where onnxruntime has it, else the CPU)."""
+    on `gate_device` (auto: CUDA where onnxruntime has it, else the CPU); with `jobs` > 1 the graphs are exported in
+    that many worker processes at once (export/graph_export.py, `GraphExports`)."""
     import torch
 
     out = Path(out)
@@ -95,11 +96,15 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    exports = GraphExports(type(config), checkpoint, jobs, seed)
     try:
+        for spec in graphs:
+            exports.start(("portable", spec.name), staging / spec.file)
+        sources = start_sources(half_forms, staging, exports, progress)
         files = config.write_runtime_files(staging)
         for spec in graphs:
             progress(f"exporting the {spec.name} graph with torch.onnx (dynamo, opset {OPSET})")
-            export_graph(spec, staging / spec.file)
+            exports.wait(spec, ("portable", spec.name), staging / spec.file)
         roles = sorted({role for g in graphs for axes in g.axes.values() for role in axes.values()})
         progress(f"checking that the {', '.join(roles)} axes are symbolic")
         shapes = {spec.name: symbolic_axes(staging / spec.file, spec.axes) for spec in graphs}
@@ -109,19 +114,21 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
             reports[gate.graph] = gate.check(staging, files)
         progress("writing the artifact")
         manifest = Manifest(
-            family=entry.name, source=checkpoint_name(source), checkpoint=str(checkpoint), source_files=file_hashes(checkpoint),
+            family=entry.name, source=checkpoint_name(source), checkpoint=str(checkpoint),
+            source_files=file_hashes(checkpoint),
             max_model_len=config.max_model_len, opset=OPSET, model=files.model_fields,
             tokenizer_class=files.tokenizer_class, special_tokens=files.special_tokens,
             graphs={spec.name: GraphEntry(spec.file, shapes[spec.name], spec.outputs, "float32",
                                           reports.get(spec.name)) for spec in graphs},
             parity=reports[None], versions=_versions(),
             exported_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        manifest = write_forms(config, half_forms, staging, manifest, resolve_device(gate_device), progress)
+        manifest = write_forms(config, half_forms, staging, manifest, resolve_device(gate_device), progress, sources)
         if out.exists():
             shutil.rmtree(out)
         staging.chmod(0o755)
         staging.rename(out)
     finally:
+        exports.close()
         if staging.exists():
             shutil.rmtree(staging)
     print(f"artifact written to {out} (parity: {manifest.parity['summary']})", file=sys.stderr)
@@ -130,10 +137,11 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
 
 
 def add_forms(source: str, artifact: str | Path, *, revision: str | None = None, forms: Sequence[str] | None = None,
-              gate_device: str = "auto", families: FamilyRegistry = FAMILIES) -> Manifest:
+              gate_device: str = "auto", families: FamilyRegistry = FAMILIES, jobs: int = 1) -> Manifest:
     """Write the half-precision `forms` (None: every one the family declares) onto `artifact`, an export of the
     checkpoint `source`, in place of the forms it has: for an artifact exported where the gate could not run on
-    the forms' device. The portable graphs and their gates are kept as they are."""
+    the forms' device. The portable graphs and their gates are kept as they are. `jobs` as `export_checkpoint`
+    takes it."""
     artifact = Path(artifact)
     manifest = Manifest.read(artifact)
     progress = Progress(3)
@@ -149,8 +157,10 @@ def add_forms(source: str, artifact: str | Path, *, revision: str | None = None,
     progress.total += form_steps(half_forms)
     for form in manifest.forms.values():
         remove_form_files(artifact, form.graphs)
-    manifest = write_forms(config, half_forms, artifact, replace(manifest, forms={}), resolve_device(gate_device),
-                           progress)
+    with GraphExports(type(config), checkpoint, jobs) as exports:
+        sources = start_sources(half_forms, artifact, exports, progress)
+        manifest = write_forms(config, half_forms, artifact, replace(manifest, forms={}), resolve_device(gate_device),
+                               progress, sources)
     _print_forms(manifest)
     return manifest
 

@@ -103,10 +103,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 2
     forms = [] if args.portable_only else args.forms.split(",") if args.forms else None
     if args.add_forms:
-        add_forms(args.source, args.out, revision=args.revision, forms=forms, gate_device=args.gate_device)
+        add_forms(args.source, args.out, revision=args.revision, forms=forms, gate_device=args.gate_device,
+                  jobs=args.jobs)
     else:
         export_checkpoint(args.source, args.out, revision=args.revision, atol=args.atol, prob_atol=args.prob_atol,
-                          overwrite=args.overwrite, forms=forms, gate_device=args.gate_device)
+                          overwrite=args.overwrite, forms=forms, gate_device=args.gate_device, jobs=args.jobs)
     return 0
 
 
@@ -408,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(for a gate on the forms' device); its portable graphs are kept")
     export.add_argument("--gate-device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the half-precision form's answer gate runs (auto: CUDA when onnxruntime has it)")
+    export.add_argument("--jobs", type=_positive_int, default=1,
+                        help="graphs exported at once, each in a worker process with its own copy of the fp32 model "
+                             "(a graph's export is one core for minutes at the released sizes)")
     export.set_defaults(func=cmd_export)
 
     serve = sub.add_parser("serve", help="serve POST /v1/systemone", parents=[common], formatter_class=formatter)
