@@ -224,10 +224,11 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
         replace(form, tolerance=AnswerTolerance(max_dp=1e-9)) if form.name != "cuda-fp16-matmuls" else form
         for form in real(self)])
     import systemone.export.forms as forms_module
+    import systemone.export.graph_export as graph_export_module
 
     exports, conversions = [], []
-    real_export, real_convert = forms_module.export_graph, forms_module.convert_to_half
-    monkeypatch.setattr(forms_module, "export_graph",
+    real_export, real_convert = graph_export_module.export_graph, forms_module.convert_to_half
+    monkeypatch.setattr(graph_export_module, "export_graph",
                         lambda spec, path: exports.append(path) or real_export(spec, path))
     monkeypatch.setattr(forms_module, "convert_to_half", lambda source, target, outputs, precision: (
         conversions.append((target.name.split(".")[0], precision.name)), real_convert(source, target, outputs,
