@@ -41,7 +41,7 @@ class _FormSources:
         self.staging, self.progress, self.exports = staging, progress, exports
         # By the spec's identity (the forms of one ladder share their specs): its key and file.
         self.planned: dict[int, tuple[SpecKey, Path]] = {}
-        self.paths: dict[int, Path] = {}
+        self.exported: set[int] = set()
 
     def start(self, forms: Sequence[HalfForm]) -> None:
         """Each source of `forms` given its file, and begun where the exports run in workers."""
@@ -53,11 +53,12 @@ class _FormSources:
                     self.exports.start(*self.planned[id(spec)])
 
     def path(self, graph: str, spec: GraphSpec) -> Path:
-        if id(spec) not in self.paths:
+        path = self.planned[id(spec)][1]
+        if id(spec) not in self.exported:
             self.progress(f"exporting the {graph} graph with onnxruntime's fused ops (fp32, before conversion)")
-            key, path = self.planned[id(spec)]
-            self.paths[id(spec)] = self.exports.wait(spec, key, path)
-        return self.paths[id(spec)]
+            self.exports.wait(spec, path)
+            self.exported.add(id(spec))
+        return path
 
     def remove(self) -> None:
         for _, path in self.planned.values():
@@ -133,12 +134,11 @@ def start_sources(forms: list[HalfForm], staging: Path, exports: GraphExports,
 
 
 def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, manifest: Manifest, device: str,
-                progress: Callable[[str], None], sources: _FormSources | None = None) -> Manifest:
+                progress: Callable[[str], None], sources: _FormSources) -> Manifest:
     """Each of `forms` (the config's) written and gated in `staging`, but none after a written one for the same
     providers; the manifest that records them (written). `sources`: the forms' own graphs as `start_sources`
-    planned them (by default exported here, when a form needs them)."""
+    planned them."""
     written: set[tuple[str, ...]] = set()
-    sources = sources or start_sources(forms, staging, GraphExports(type(config)), progress)
     conversions = _Conversions(staging)
     try:
         for form in forms:

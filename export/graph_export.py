@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .config import GraphSpec
+from .config import ExportConfig, GraphSpec
 
 OPSET = 18
 
@@ -58,8 +58,8 @@ def export_graph(spec: GraphSpec, path: Path, skipped_rules: Collection[str] = S
 SpecKey = tuple[str, ...]
 
 
-def spec_of(config: Any, key: SpecKey) -> GraphSpec:
-    """The spec `key` names in `config` (an ExportConfig)."""
+def _spec_of(config: ExportConfig, key: SpecKey) -> GraphSpec:
+    """The spec `key` names in `config`."""
     if key[0] == "portable":
         return next(spec for spec in config.graphs() if spec.name == key[1])
     return next(form for form in config.forms() if form.name == key[1]).sources[key[2]]
@@ -69,7 +69,7 @@ def _export_in_worker(config_class: type, checkpoint: str, key: SpecKey, path: s
     import torch
 
     torch.manual_seed(seed)
-    return str(export_graph(spec_of(config_class(Path(checkpoint)), key), Path(path)))
+    return str(export_graph(_spec_of(config_class(Path(checkpoint)), key), Path(path)))
 
 
 class GraphExports:
@@ -98,8 +98,8 @@ class GraphExports:
             self.started[path] = self.pool.submit(_export_in_worker, self.config_class, str(self.checkpoint), key,
                                                   str(path), self.seed)
 
-    def wait(self, spec: GraphSpec, key: SpecKey, path: Path) -> Path:
-        """`spec` (which `key` names) written at `path`: by its worker, or here and now."""
+    def wait(self, spec: GraphSpec, path: Path) -> Path:
+        """`spec` written at `path`: by the worker `start` gave it, or here and now."""
         started = self.started.pop(path, None)
         if started is None:
             return export_graph(spec, path)

@@ -104,7 +104,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
         files = config.write_runtime_files(staging)
         for spec in graphs:
             progress(f"exporting the {spec.name} graph with torch.onnx (dynamo, opset {OPSET})")
-            exports.wait(spec, ("portable", spec.name), staging / spec.file)
+            exports.wait(spec, staging / spec.file)
         roles = sorted({role for g in graphs for axes in g.axes.values() for role in axes.values()})
         progress(f"checking that the {', '.join(roles)} axes are symbolic")
         shapes = {spec.name: symbolic_axes(staging / spec.file, spec.axes) for spec in graphs}

@@ -13,9 +13,9 @@ import torch
 from scripts.export_rules_timing import same_graph
 from systemone.export.graph_export import SKIPPED_RULES, export_graph
 from systemone.export.pipeline import export_checkpoint
-from systemone.runtime.artifact import Manifest
 from systemone.export.source import resolve_checkpoint
 from systemone.models.registry import FAMILIES
+from systemone.runtime.artifact import Manifest
 
 
 def _config(checkpoint: Path):
@@ -66,6 +66,11 @@ def test_the_optimizer_runs_without_the_skipped_rules_and_gets_them_back(monkeyp
     assert seen[1] == {rule.name for rule in before}
 
 
+def _gate_figures(manifest: Manifest) -> dict:
+    """Each form's gate but `batch_rows`, the call cost start-up measured (a timing)."""
+    return {name: {k: v for k, v in form.gate.items() if k != "batch_rows"} for name, form in manifest.forms.items()}
+
+
 def test_graphs_exported_in_worker_processes_make_the_same_artifact(d3_causal_checkpoint, d3_causal_artifact, tmp_path):
     out = export_checkpoint(str(d3_causal_checkpoint), tmp_path / "art", jobs=2)
     graphs = sorted(path.name for path in d3_causal_artifact.glob("*.onnx"))
@@ -75,9 +80,5 @@ def test_graphs_exported_in_worker_processes_make_the_same_artifact(d3_causal_ch
         assert same_graph(out / name, d3_causal_artifact / name), name
     alone, workers = Manifest.read(d3_causal_artifact), Manifest.read(out)
     assert workers.parity == alone.parity
-    # The gates' answers alike; `batch_rows` is the call cost start-up measured, a timing.
-    def figures(manifest: Manifest) -> dict:
-        return {name: {k: v for k, v in form.gate.items() if k != "batch_rows"} for name, form in manifest.forms.items()}
-
-    assert figures(workers) == figures(alone)
+    assert _gate_figures(workers) == _gate_figures(alone)
     assert not list(tmp_path.glob(".art.*")), "a staging folder was left behind"
