@@ -77,6 +77,14 @@ def test_bad_images_are_4xx(client, url, status, message):
     assert message in response.json()["error"]["message"]
 
 
+def test_bytes_pillow_cannot_read_get_the_specs_message_with_no_address(client):
+    """Spec 1.4, 6.1 / 7.6 case 20, with the field named: Pillow's own message names the buffer by its memory
+    address, which tells a client nothing and differs from one read of the same bytes to the next."""
+    response = post(client, {"state": None, "questions": {"q": NOUL}, "images": ["data:image/png;base64,aGVsbG8="]})
+    assert response.json()["error"]["message"] == ("media: images[0]: Failed to load image: cannot identify image file "
+                                                   "<_io.BytesIO object>")
+
+
 def test_response_shape_usage_and_diagnostics(client, d1_service):
     """Spec 5 / 7.6 cases 25-27: vLLM's keys and order, output_tokens = questions, input_tokens = every full prompt
     (state and image tokens repeated), confidence = top probability x label_mass, noul = P(yes)."""
