@@ -34,13 +34,15 @@ def sanitize(message: str) -> str:
 
 
 def error_body(status: int, message: str, type: str, param: str | None = None) -> dict[str, Any]:
+    """The error's JSON, its message sanitized: the server's responses and `systemone ask`'s printout alike."""
+    message = sanitize(message)
     return {"error": {"message": message, "type": type, "param": param, "code": status},
             "detail": {"error_type": ERROR_TYPES.get(status, "error"), "message": message}}
 
 
 def error_response(status: int, message: str, type: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, sanitize(message), type, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, type, param), status_code=status, headers=headers)
 
 
 # Each domain error's HTTP status and OpenAI-style type; the first class of the error's MRO listed here wins.

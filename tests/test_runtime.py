@@ -175,6 +175,18 @@ def test_ask_prints_the_error_body_and_fails_on_a_bad_request(d3_artifact, tmp_p
     assert json.loads(capsys.readouterr().out)["error"]["message"] == "questions: needs at least one question"
 
 
+def test_ask_prints_the_message_the_server_would_send(d3_artifact, tmp_path, capsys):
+    """Sanitized as over HTTP (spec 1.4): Pillow's message names the buffer by a memory address, which is dropped."""
+    from systemone.cli import main
+
+    request = tmp_path / "bad.json"
+    request.write_text(json.dumps({"state": 1, "questions": {"q": {"type": "noul", }},
+                                   "images": ["data:image/png;base64,aGVsbG8="]}))
+    assert main(["ask", str(d3_artifact), "--request", str(request), "--device", "cpu"]) == 1
+    assert json.loads(capsys.readouterr().out)["error"]["message"] == (
+        "media: images[0]: Failed to load image: cannot identify image file <_io.BytesIO object>")
+
+
 def test_each_row_carries_its_own_media_rows():
     """Rows of different requests share a batch: each row's vision rows land at its own positions (flat index
     row * width + position), and a text-only row gets none."""
