@@ -16,7 +16,7 @@ from typing import Any
 from ..runtime.artifact import FormEntry, Manifest
 from .answer_gate import gate_answers
 from .config import ExportConfig, GraphSpec, HalfForm, ParityError
-from .graph_export import GraphExports, SpecKey
+from .graph_export import GraphExports
 from .half_precision import Precision, convert_to_half
 
 HALF_DTYPE = "float16"
@@ -39,21 +39,20 @@ class _FormSources:
 
     def __init__(self, staging: Path, progress: Callable[[str], None], exports: GraphExports):
         self.staging, self.progress, self.exports = staging, progress, exports
-        # By the spec's identity (the forms of one ladder share their specs): its key and file.
-        self.planned: dict[int, tuple[SpecKey, Path]] = {}
+        self.paths: dict[int, Path] = {}  # by the spec's identity: the forms of one ladder share their specs
         self.exported: set[int] = set()
 
     def start(self, forms: Sequence[HalfForm]) -> None:
         """Each source of `forms` given its file, and begun where the exports run in workers."""
         for form in forms:
             for graph, spec in form.sources.items():
-                if id(spec) not in self.planned:
-                    path = self.staging / f"{graph}.source{len(self.planned)}.float32.onnx"
-                    self.planned[id(spec)] = (("form", form.name, graph), path)
-                    self.exports.start(*self.planned[id(spec)])
+                if id(spec) not in self.paths:
+                    path = self.staging / f"{graph}.source{len(self.paths)}.float32.onnx"
+                    self.paths[id(spec)] = path
+                    self.exports.start(("form", form.name, graph), path)
 
     def path(self, graph: str, spec: GraphSpec) -> Path:
-        path = self.planned[id(spec)][1]
+        path = self.paths[id(spec)]
         if id(spec) not in self.exported:
             self.progress(f"exporting the {graph} graph with onnxruntime's fused ops (fp32, before conversion)")
             self.exports.wait(spec, path)
@@ -61,9 +60,9 @@ class _FormSources:
         return path
 
     def remove(self) -> None:
-        for _, path in self.planned.values():
+        for path in self.paths.values():
             self.exports.forget(path)
-        remove_form_files(self.staging, {str(key): path.name for key, (_, path) in self.planned.items()})
+        remove_form_files(self.staging, {str(key): path.name for key, path in self.paths.items()})
 
 
 class _Conversions:
