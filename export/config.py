@@ -5,13 +5,16 @@ reads, and the parity gates an exported artifact must pass before it is written.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .half_precision import FLOAT16, FLOAT16_MATMULS, FLOAT16_MIXED, Precision
+from .skeleton import Skeleton
+from .stack import Stack
+from .weights import Recipe
 
 
 class ParityError(RuntimeError):
@@ -38,9 +41,11 @@ class GraphSpec:
     outputs: list[str]
     axes: dict[str, dict[int, str]]
     dynamic_shapes: Any
-    module: Callable[[], Any]
+    module: Callable[[], Any]  # built on the config's skeleton: parameters on the meta device
     example_inputs: Callable[[], tuple[Any, ...]]
+    weights: Callable[[Any], Mapping[str, Recipe]]  # the module's tensors' recipes by name (Skeleton.weights)
     translations: dict[Any, Callable[..., Any]] | None = None  # custom torch ops -> the ONNX they become
+    stack: Stack | None = None  # traced as pieces, the blocks stamped a layer each (export/stack.py)
 
     @property
     def file(self) -> str:
@@ -108,12 +113,28 @@ def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any],
 
 
 class ExportConfig(ABC):
+    """A family's export declaration for one checkpoint. Its graphs are traced on `skeleton` (no weights); the torch
+    reference the gates compare against (`model`, fp32) is loaded only when a gate first reads it, on the gate's
+    device (`reference_on`)."""
+
     family: str
-    model: Any  # the torch reference (fp32)
+    skeleton: Skeleton
+    checkpoint: Path
 
     @abstractmethod
     def __init__(self, checkpoint: Path):
-        """Load the checkpoint's torch reference (fp32)."""
+        """Read the checkpoint's configs and build its skeleton."""
+
+    @abstractmethod
+    def load_reference(self) -> Any:
+        """The checkpoint's torch model (fp32, eval), loaded as transformers loads it, on the CPU."""
+
+    @property
+    def model(self) -> Any:
+        """The torch reference (fp32), loaded on first use."""
+        if getattr(self, "_reference", None) is None:
+            self._reference = self.load_reference()
+        return self._reference
 
     @property
     @abstractmethod
@@ -139,12 +160,15 @@ class ExportConfig(ABC):
     @contextmanager
     def reference_on(self, device: str) -> Iterator[None]:
         """The torch reference on `device` (cpu, cuda), in fp32 without TF32 (its 10-bit mantissa is not a
-        reference) while the block runs; torch's TF32 settings are restored after it."""
+        reference) while the block runs; torch's TF32 settings are restored after it. On CUDA a reference not yet
+        loaded goes from the checkpoint's files to the device tensor by tensor, never whole in host memory."""
         import torch
 
         saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
+            if device == "cuda" and getattr(self, "_reference", None) is None:
+                self._reference = self.skeleton.materialize("cuda")
             self.model.to("cuda" if device == "cuda" else "cpu")
             yield
         finally:

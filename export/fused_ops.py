@@ -25,9 +25,6 @@ exporter places inputs and attributes by it). The nodes here, and the sums they 
   norm that read the sum again (its own fusion passes a sum that anything else reads).
 - `FastGelu`: y = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh GELU of the vision towers' MLPs, one
   kernel in place of the eight elementwise nodes its export writes (each a pass over n x intermediate fp32 values).
-
-`row_blocks` cuts a joint projection's weight into one weight a part, for fused graphs that run a product a part
-where the portable graph splits one product's output (a Split is one more copy of that output a layer).
 """
 
 import onnx
@@ -41,13 +38,6 @@ _Param, _Option = onnx.defs.OpSchema.FormalParameter, onnx.defs.OpSchema.FormalP
 _Attr, _AttrType = onnx.defs.OpSchema.Attribute, onnx.defs.OpSchema.AttrType
 _MICROSOFT = onnxscript.values.Opset("com.microsoft", 1)
 HALF_OR_FLOAT = ["tensor(float16)", "tensor(float)"]
-
-
-def row_blocks(weight: torch.Tensor, sizes: list[int]) -> torch.nn.ParameterList:
-    """`weight`'s leading rows cut into blocks of `sizes`, each a weight of its own (the export writes each as one
-    initializer, where a slice of one would be a node)."""
-    return torch.nn.ParameterList(torch.nn.Parameter(part.detach().clone(), requires_grad=False)
-                                  for part in torch.split(weight, sizes))
 
 
 def contrib_op(name: str, inputs: list, outputs: list, types: list, attributes: dict[str, _AttrType]

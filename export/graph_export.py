@@ -1,24 +1,32 @@
-"""One graph spec -> one ONNX file, through torch.onnx's dynamo exporter: what export writes for the portable graphs
-and for a form's own graphs (export/forms.py)."""
+"""One graph spec -> one weightless ONNX graph and the recipes of its weights (export/weights.py), through torch.onnx's
+dynamo exporter on a module whose parameters are on the meta device; `GraphExports` runs several at once.
+
+The exporter's optimizer would fold each weight's transposes and slices into a new weight, which needs the values.
+Here those nodes are folded into recipes instead (`fold_weight_nodes`: the values are made when the graph is
+written), and the optimizer runs after, with nothing of the weights left to fold."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import ExportConfig, GraphSpec
+from .weights import (VIRTUAL, CheckpointTensors, Constant, Derived, Recipe, WeightBook, WeightError,
+                      virtual_tensor)
 
 OPSET = 18
 
-# The rewrite rules of onnxscript's optimizer (run by torch.onnx after the export) that export leaves out.
-# SlicesSplit (two Slices of one tensor -> one Split) is the only default rule whose pattern ends in two nodes, and
-# its matcher pairs them by walking the whole graph once for every Slice it tries, so its cost grows with the square
-# of the graph: most of the optimizer's 369 s in d3-edge's text export (docs/gpu.md, "After the twenty-fifth run").
-# It rewrites none of this project's graphs (tests/test_graph_export.py holds each written graph byte for byte equal
-# to the one the full rule set writes), so leaving it out changes no graph.
+# The rewrite rules of onnxscript's optimizer that export leaves out. SlicesSplit (two Slices of one tensor -> one
+# Split) is the only default rule whose pattern ends in two nodes; its matcher walks the whole graph once for every
+# Slice it tries, so its cost grows with the square of the graph, and it rewrites none of this project's graphs
+# (docs/decisions/export-optimizer-rules.md).
 SKIPPED_RULES = frozenset({"SlicesSplit"})
+# Nodes never folded into a weight recipe: control flow and anything random.
+_NOT_FOLDED = frozenset({"Scan", "Loop", "If", "RandomNormal", "RandomUniform", "RandomNormalLike",
+                         "RandomUniformLike", "Multinomial", "Bernoulli"})
 
 
 @contextmanager
@@ -38,19 +46,189 @@ def _rewrite_rules_without(names: Collection[str]) -> Iterator[None]:
         rewriter._DEFAULT_REWRITE_RULES = rules
 
 
-def export_graph(spec: GraphSpec, path: Path, skipped_rules: Collection[str] = SKIPPED_RULES) -> Path:
-    """Write `spec` to `path`, its weights beside it in `path.name + '.data'`; checked by onnx's checker.
-    `skipped_rules`: the optimizer's rewrite rules left out (the full set with none)."""
-    import onnx
+@dataclass
+class TracedGraph:
+    """A graph with virtual weights (serialized ModelProto) and the recipes they name."""
+
+    model: bytes
+    book: WeightBook
+
+    def proto(self):
+        import onnx
+
+        return onnx.ModelProto.FromString(self.model)
+
+
+# A virtual weight this small may be read while the graph is traced (the optimizer's shape inference reads small
+# constants); a larger one read there is a fault of the tracer, which would hold the model after all.
+READABLE_WHILE_TRACED = 1024
+
+
+def _virtual_class():
+    import onnx_ir as ir
+
+    class VirtualWeight(ir.ExternalTensor):
+        """A weight with a recipe, whose values are made only when a small one is read."""
+
+        def __init__(self, recipe: str, dtype: Any, shape: Any, name: str, make: Any):
+            super().__init__(VIRTUAL, 0, 0, dtype, shape=shape, name=name)
+            self.recipe, self._make = recipe, make
+
+        def numpy(self):
+            if self.size > READABLE_WHILE_TRACED:
+                raise WeightError(f"the weight {self.name!r} ({self.size} values) was read while the graph was traced")
+            return self._make(self.recipe).astype(self.dtype.numpy())
+
+        def tobytes(self) -> bytes:
+            return self.numpy().tobytes()
+
+    return VirtualWeight
+
+
+def _is_virtual(value) -> bool:
+    return value is not None and getattr(value.const_value, "recipe", None) is not None
+
+
+def _constant_value(value):
+    """The numpy value of a constant input (initializer or Constant node output), or None if it is not one."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+        attribute = producer.attributes.get("value")
+        return None if attribute is None else attribute.value
+    return None
+
+
+def fold_weight_nodes(model, book: WeightBook, make: Any) -> int:
+    """Each node that reads only constants, a virtual weight among them, becomes virtual weights of its own (a
+    `Derived` recipe a output), in graph order so that a chain folds whole. Returns how many nodes were folded."""
+    import onnx_ir as ir
+
+    virtual = _virtual_class()
+    graph = model.graph
+    folded = 0
+    for node in list(graph):
+        if node.op_type in _NOT_FOLDED or node.domain not in ("", "ai.onnx"):
+            continue
+        inputs = list(node.inputs)
+        if not any(_is_virtual(value) for value in inputs):
+            continue
+        constants = [_constant_value(value) for value in inputs]
+        if any(value is not None and constant is None for value, constant in zip(inputs, constants)):
+            continue
+        if not all(out.shape is not None and out.shape.is_static() and out.dtype is not None for out in node.outputs):
+            continue
+        names = []
+        for index, (value, constant) in enumerate(zip(inputs, constants)):
+            if value is None:
+                names.append("")
+            elif _is_virtual(value):
+                names.append(value.const_value.recipe)
+            else:
+                name = f"{node.name or node.op_type}/input{index}"
+                book.add(name, Constant(constant.numpy()))
+                names.append(name)
+        node_bytes = ir.serde.serialize_node(node).SerializeToString()
+        for index, out in enumerate(node.outputs):
+            recipe = f"{out.name}"
+            book.add(recipe, Derived(node_bytes, tuple(names), index))
+            weight = ir.Value(name=out.name, shape=ir.Shape(out.shape.numpy()), type=ir.TensorType(out.dtype),
+                              const_value=virtual(recipe, out.dtype, ir.Shape(out.shape.numpy()), out.name, make))
+            out.name = f"{out.name}__folded"
+            graph.register_initializer(weight)
+            ir.convenience.replace_all_uses_with(out, weight)
+        graph.remove(node, safe=True)
+        folded += 1
+    return folded
+
+
+def trace_graph(spec: GraphSpec, tensors: CheckpointTensors,
+                skipped_rules: Collection[str] = SKIPPED_RULES) -> TracedGraph:
+    """`spec` exported on the meta device: the graph with virtual weights and their recipes (`tensors`: the
+    checkpoint's, for the few small weights tracing reads). `skipped_rules`: the optimizer's rewrite rules left out
+    (the full set with none)."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
     import torch
 
-    with torch.no_grad(), _rewrite_rules_without(skipped_rules):
-        torch.onnx.export(spec.module(), spec.example_inputs(), str(path), dynamo=True, opset_version=OPSET,
-                          external_data=True, input_names=spec.inputs, output_names=spec.outputs,
-                          dynamic_shapes=spec.dynamic_shapes, custom_translation_table=spec.translations,
-                          verbose=False)
-    onnx.checker.check_model(str(path))
-    return path
+    if spec.stack is not None:
+        return _trace_stack(spec, tensors, skipped_rules)
+    import copy
+
+    built = spec.module()
+    recipes: Mapping[str, Recipe] = spec.weights(built)
+    # Traced on a copy with every tensor on meta: the buffers made at construction (rotary frequencies) have their
+    # recipes now, and the skeleton the module shares stays as it is for the next graph.
+    module = copy.deepcopy(built).to("meta")
+    inputs = torch.utils._pytree.tree_map(
+        lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, spec.example_inputs())
+    with torch.no_grad():
+        program = torch.onnx.export(module, inputs, dynamo=True, optimize=False, opset_version=OPSET,
+                                    input_names=spec.inputs, output_names=spec.outputs,
+                                    dynamic_shapes=spec.dynamic_shapes, custom_translation_table=spec.translations,
+                                    verbose=False)
+    model = program.model
+    book = WeightBook()
+    virtual = _virtual_class()
+
+    def make(recipe: str):
+        return book.values(recipe, tensors)
+
+    for name, value in list(model.graph.initializers.items()):
+        recipe = recipes.get(name)
+        if recipe is None:
+            raise WeightError(f"graph {spec.name}: the weight {name!r} has no recipe (not a parameter or buffer of "
+                              "the traced module)")
+        if isinstance(recipe, Constant):  # made at trace time: real values in the graph
+            value.const_value = ir.tensor(recipe.value.astype(value.dtype.numpy()), name=name)
+            continue
+        book.add(name, recipe)
+        value.const_value = virtual(name, value.dtype, value.shape, name, make)
+    fold_weight_nodes(model, book, make)
+    with _rewrite_rules_without(skipped_rules):
+        onnxscript.optimizer.optimize_ir(
+            model, should_fold=lambda node: False if any(_is_virtual(v) for v in node.inputs) else None)
+    recipes_by_name = {}
+    for name, value in model.graph.initializers.items():
+        if _is_virtual(value):
+            recipes_by_name[name] = value.const_value.recipe
+    proto = ir.serde.serialize_model(model)
+    for index, tensor in enumerate(proto.graph.initializer):
+        if tensor.name in recipes_by_name:
+            proto.graph.initializer[index].CopyFrom(virtual_tensor(tensor.name, tensor.data_type, tuple(tensor.dims),
+                                                                   recipes_by_name[tensor.name]))
+    used = WeightBook()
+    for recipe in recipes_by_name.values():
+        _copy_recipe(book, used, recipe)
+    return TracedGraph(proto.SerializeToString(), used)
+
+
+def _trace_stack(spec: GraphSpec, tensors: CheckpointTensors, skipped_rules: Collection[str]) -> TracedGraph:
+    """`spec.stack`'s pieces traced once each (a block per kind of layer), then composed a layer at a time."""
+    from .stack import compose
+
+    stack = spec.stack
+    front, head = (trace_graph(piece, tensors, skipped_rules) for piece in (stack.front, stack.head))
+    blocks = {kind: trace_graph(piece, tensors, skipped_rules) for kind, piece in stack.blocks.items()}
+    layers = [stack.blocks[layer.block].weights(layer.module()) for layer in stack.layers]
+    model, book = compose(spec, front, blocks, head, layers)
+    return TracedGraph(model.SerializeToString(), book)
+
+
+def _copy_recipe(source: WeightBook, target: WeightBook, name: str) -> None:
+    """`name`'s recipe and those it reads, from `source` into `target`."""
+    stack = [name]
+    while stack:
+        current = stack.pop()
+        if current in target.recipes:
+            continue
+        recipe = source.recipes[current]
+        target.add(current, recipe)
+        if isinstance(recipe, Derived):
+            stack.extend(name for name in recipe.inputs if name)
 
 
 # Which graph of a checkpoint's export config a spec is, by name, so that a worker process can build it again:
@@ -58,59 +236,53 @@ def export_graph(spec: GraphSpec, path: Path, skipped_rules: Collection[str] = S
 SpecKey = tuple[str, ...]
 
 
-def _spec_of(config: ExportConfig, key: SpecKey) -> GraphSpec:
+def spec_of(config: ExportConfig, key: SpecKey) -> GraphSpec:
     """The spec `key` names in `config`."""
     if key[0] == "portable":
         return next(spec for spec in config.graphs() if spec.name == key[1])
     return next(form for form in config.forms() if form.name == key[1]).sources[key[2]]
 
 
-def _export_in_worker(config_class: type, checkpoint: str, key: SpecKey, path: str, seed: int) -> str:
+def _trace_in_worker(config_class: type, checkpoint: str, key: SpecKey, seed: int) -> TracedGraph:
     import torch
 
     torch.manual_seed(seed)
-    return str(export_graph(_spec_of(config_class(Path(checkpoint)), key), Path(path)))
+    config = config_class(Path(checkpoint))
+    return trace_graph(spec_of(config, key), config.skeleton.tensors)
 
 
 class GraphExports:
-    """A checkpoint's graph exports: one after another in this process, when each is waited for (`jobs` = 1); or,
-    with `jobs` > 1, all those started at once in that many worker processes, each of which loads the checkpoint's
-    export config again (a spec holds torch modules, which do not travel between processes). One export is one core
-    of Python for minutes (d3-nano's text graph: 262 s on the H100's host), so on a host with cores to spare the
-    graphs take about the time of the longest, at the cost of a copy of the fp32 model in each worker."""
+    """A checkpoint's graph traces: one after another in this process, when each is waited for (`jobs` = 1); or,
+    with `jobs` > 1, all those started at once in that many worker processes, each of which builds the checkpoint's
+    export config again (a spec holds torch modules, which do not travel between processes). A trace is one core of
+    Python for a minute or more, and holds no weights, so on a host with cores to spare the graphs take about the
+    time of the longest."""
 
-    def __init__(self, config_class: type, checkpoint: Path | None = None, jobs: int = 1, seed: int = 0):
+    def __init__(self, config_class: type, checkpoint: Path, jobs: int = 1, seed: int = 0):
         self.config_class, self.checkpoint, self.seed = config_class, checkpoint, seed
+        self.tensors = CheckpointTensors(checkpoint)
         self.pool = None
         if jobs > 1:
-            if checkpoint is None:
-                raise ValueError("exports in worker processes need the checkpoint's directory")
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
             # Spawned, not forked: this process's torch and OpenMP threads do not survive a fork.
             self.pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
-        self.started: dict[Path, Any] = {}
+        self.started: dict[SpecKey, Any] = {}
+        self.done: dict[SpecKey, TracedGraph] = {}
 
-    def start(self, key: SpecKey, path: Path) -> None:
-        """Begin exporting `key` to `path` now, where workers run; otherwise `wait` exports it."""
-        if self.pool is not None and path not in self.started:
-            self.started[path] = self.pool.submit(_export_in_worker, self.config_class, str(self.checkpoint), key,
-                                                  str(path), self.seed)
+    def start(self, key: SpecKey) -> None:
+        """Begin tracing `key` now, where workers run; otherwise `wait` traces it."""
+        if self.pool is not None and key not in self.started and key not in self.done:
+            self.started[key] = self.pool.submit(_trace_in_worker, self.config_class, str(self.checkpoint), key,
+                                                 self.seed)
 
-    def wait(self, spec: GraphSpec, path: Path) -> Path:
-        """`spec` written at `path`: by the worker `start` gave it, or here and now."""
-        started = self.started.pop(path, None)
-        if started is None:
-            return export_graph(spec, path)
-        return Path(started.result())
-
-    def forget(self, path: Path) -> None:
-        """No wait for `path`'s export any more: its worker, if it has one, has finished with the file when this
-        returns (its failure ignored), so the file may be removed."""
-        started = self.started.pop(path, None)
-        if started is not None and not started.cancel():
-            started.exception()
+    def wait(self, key: SpecKey, spec: GraphSpec) -> TracedGraph:
+        """`spec` (named `key`) traced: by the worker `start` gave it, or here and now; once however often asked."""
+        if key not in self.done:
+            started = self.started.pop(key, None)
+            self.done[key] = trace_graph(spec, self.tensors) if started is None else started.result()
+        return self.done[key]
 
     def close(self) -> None:
         if self.pool is not None:

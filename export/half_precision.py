@@ -22,8 +22,8 @@ says what to keep and removes the round trips the converter leaves between kept 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -229,14 +229,29 @@ def drop_unread_norm_statistics(graph) -> None:
                     node.output[index] = ""
 
 
-def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], precision: Precision = FLOAT16
-                    ) -> None:
-    """Write `source` (an fp32 ONNX graph) as a graph at `precision` at `target`, its weights beside it in
-    `target.name + '.data'`."""
+@contextmanager
+def _shapes_from_dims():
+    """onnxruntime's converter reads an initializer's shape from its values (`numpy_helper.to_array`); a virtual
+    weight has none yet, and its dims say the same."""
+    import onnx
+    from onnxruntime.transformers import float16
+
+    original = float16.make_value_info_from_tensor
+    float16.make_value_info_from_tensor = lambda tensor: onnx.helper.make_tensor_value_info(
+        tensor.name, tensor.data_type, list(tensor.dims))
+    try:
+        yield
+    finally:
+        float16.make_value_info_from_tensor = original
+
+
+def convert_to_half(model, fp32_outputs: Sequence[str], precision: Precision = FLOAT16):
+    """`model` (an fp32 ModelProto, its weights virtual: export/weights.py) rewritten at `precision`: a new
+    ModelProto whose virtual weights declare the dtype each is written in."""
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
-    model = onnx.load(str(source))
+    model = onnx.ModelProto.FromString(model.SerializeToString())
     seen: set[str] = set()
     for node_index, node in enumerate(model.graph.node):
         # The block lists go by node name, and the converter names its casts and their values after the node.
@@ -256,8 +271,9 @@ def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], pre
                 fp32_weights[name] = onnx.TensorProto()
                 fp32_weights[name].CopyFrom(weights[name])
                 fp32_weights[name].name = f"{name}_fp32"
-    half = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True,
-                                    op_block_list=sorted(blocked_ops), node_block_list=sorted(kept))
+    with _shapes_from_dims():
+        half = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True,
+                                        op_block_list=sorted(blocked_ops), node_block_list=sorted(kept))
     drop_twin_casts(half.graph)
     join_fp32_islands(half.graph, kept, fp32_weights)
     drop_dead_nodes(half.graph)
@@ -267,5 +283,4 @@ def convert_to_half(source: Path, target: Path, fp32_outputs: Sequence[str], pre
     unused = [t for t in half.graph.initializer if t.name not in used]  # fp16 copies of restored weights
     for tensor in unused:
         half.graph.initializer.remove(tensor)
-    onnx.save(half, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=target.name + ".data")
+    return half

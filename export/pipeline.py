@@ -13,19 +13,27 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..models.registry import FAMILIES, FamilyRegistry
-from ..runtime.artifact import GraphEntry, Manifest
+from ..runtime.artifact import PORTABLE, GraphEntry, Manifest
 from ..runtime.session import resolve_device
 from .config import ExportConfig, HalfForm, ParityError
-from .forms import form_steps, remove_form_files, start_sources, write_forms
-from .graph_export import OPSET, GraphExports
+from .forms import form_steps, start_form_traces, traced_source, write_forms
+from .graph_export import OPSET, GraphExports, TracedGraph
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
+from .progress import Progress
 from .source import checkpoint_name, file_hashes, resolve_checkpoint
+from .weights import CheckpointTensors, graph_tensors, write_graph
+
+# The portable fp32 graphs are not written by default for a model this large: on a CPU they would hold four bytes
+# a parameter and answer too slowly to serve (d3 (27B): 108 GB); `--forms portable` still writes them.
+PORTABLE_MAX_PARAMETERS = 10_000_000_000
 
 
 def _versions() -> dict[str, str]:
@@ -39,21 +47,9 @@ def _versions() -> dict[str, str]:
     return found
 
 
-class Progress:
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.step, self.stream, self.start = total, 0, stream, time.monotonic()
-
-    def __call__(self, message: str) -> None:
-        self.step += 1
-        print(f"[{self.step}/{self.total} {time.monotonic() - self.start:6.1f}s] {message}", file=self.stream,
-              flush=True)
-
-
-def symbolic_axes(model_path: Path, axes: dict[str, dict[int, str]]) -> dict[str, list[str | int]]:
-    """Check that every declared batch/sequence axis of the graph's inputs is symbolic, consistently named."""
-    import onnx
-
-    model = onnx.load(str(model_path), load_external_data=False)
+def symbolic_axes(model, axes: dict[str, dict[int, str]]) -> dict[str, list[str | int]]:
+    """Check that every declared batch/sequence axis of the graph's inputs (a ModelProto) is symbolic, consistently
+    named."""
     shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
     symbols: dict[str, str] = {}
     for name, wanted in axes.items():
@@ -69,16 +65,87 @@ def symbolic_axes(model_path: Path, axes: dict[str, dict[int, str]]) -> dict[str
     return shapes
 
 
+@dataclass(frozen=True)
+class FormPlan:
+    """What an export writes: the portable fp32 graphs or not, the half-precision forms to try, and why."""
+
+    portable: bool
+    forms: list[HalfForm]
+    why: str
+
+
+def plan_forms(config: ExportConfig, names: Sequence[str] | None, device: str) -> FormPlan:
+    """`names` (`portable` and form names) as asked, or, with None, what the gate device can check: on CUDA the
+    family's CUDA forms only (their gate runs there; the portable graphs are for a CPU, and `--forms portable,...`
+    writes them too), on a CPU the portable graphs only (a CUDA form gated without CUDA is gated on emulated
+    kernels, and nobody serves it there: `--forms` names those to write them anyway)."""
+    declared = config.forms()
+    parameters = config.skeleton.parameter_count()
+    if names is None:
+        if device == "cuda":
+            forms = [form for form in declared if "cuda" in form.providers]
+            if forms:
+                return FormPlan(False, forms, f"the CUDA forms, gated on {device}; no portable graphs "
+                                               "(--forms portable,... writes them as well)")
+        if parameters > PORTABLE_MAX_PARAMETERS:
+            raise ValueError(f"the portable fp32 graphs of a {parameters / 1e9:.0f}B-parameter model would hold "
+                             f"{4 * parameters / 1e9:.0f} GB and be too slow to serve on a CPU, and no CUDA device "
+                             "can gate a CUDA form here: export on a machine with CUDA, or name the forms with "
+                             "--forms (portable for the fp32 graphs)")
+        return FormPlan(True, [], "the portable fp32 graphs, which every provider runs; no CUDA form without a CUDA "
+                                  "device to gate it (--forms NAME writes one anyway)")
+    names = list(dict.fromkeys(names))
+    unknown = sorted(set(names) - {PORTABLE} - {form.name for form in declared})
+    if unknown:
+        raise ValueError(f"forms {', '.join(unknown)} are not among the family's: "
+                         f"{', '.join([PORTABLE] + [form.name for form in declared])}")
+    forms = [form for form in declared if form.name in names]
+    if PORTABLE not in names and not forms:
+        raise ValueError("no form to write: name portable or a half-precision form")
+    return FormPlan(PORTABLE in names, forms, "as --forms asks")
+
+
+class _Writer:
+    """Writes traced graphs with their weights from the checkpoint, showing the bytes as they go."""
+
+    def __init__(self, checkpoint: Path, progress: Progress):
+        self.tensors = CheckpointTensors(checkpoint)
+        self.progress = progress
+
+    def __call__(self, model, path: Path, traced: TracedGraph, check: bool = False) -> Path:
+        """`model` written at `path` with the weights of `traced`; `check`: run onnx's checker on it (a portable
+        graph: onnx has no schema for onnxruntime's fused ops, and the half-precision rewrite leaves its casts
+        out of order, which onnxruntime sorts)."""
+        import onnx
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        expected = sum(int(np.prod(t.dims, dtype=np.int64)) * _itemsize(t.data_type, tensor_dtype_to_np_dtype)
+                       for t in graph_tensors(model))
+        self.progress.writing(f"{path.name}.data", expected)
+        write_graph(model, path, traced.book, self.tensors, written=self.progress.wrote)
+        self.progress.writing("", 0)
+        if check:
+            onnx.checker.check_model(str(path))
+        return path
+
+
+def _itemsize(data_type: int, to_numpy) -> int:
+    import onnx
+
+    if data_type == onnx.TensorProto.BFLOAT16:
+        return 2
+    return np.dtype(to_numpy(data_type)).itemsize
+
+
 def export_checkpoint(source: str, out: str | Path, *, revision: str | None = None, atol: float = DEFAULT_ATOL,
                       prob_atol: float = DEFAULT_PROB_ATOL, lengths: Sequence[int] = PARITY_LENGTHS,
                       overwrite: bool = False, seed: int = 0, families: FamilyRegistry = FAMILIES,
                       forms: Sequence[str] | None = None, gate_device: str = "auto", jobs: int = 1) -> Path:
-    """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`, with the family's
-    half-precision `forms` (None: every one it declares; empty: the portable graphs only), their answer gates run
-    on `gate_device` (auto: CUDA where onnxruntime has it, else the CPU); with `jobs` > 1 the graphs are exported in
-    that many worker processes at once (export/graph_export.py, `GraphExports`)."""
-    import torch
-
+    """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`: the forms `forms` names
+    (`portable` for the fp32 graphs; None: what `plan_forms` chooses for the gate device), the half-precision ones
+    gated on `gate_device` (auto: CUDA where onnxruntime has it, else the CPU); with `jobs` > 1 the graphs are
+    traced in that many worker processes at once (export/graph_export.py, `GraphExports`). No model is held in
+    memory: graphs are traced without weights, which go from the checkpoint into each graph as it is written."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass --overwrite to replace it)")
@@ -86,43 +153,60 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
     progress(f"resolving checkpoint {source}")
     checkpoint = resolve_checkpoint(source, revision)
     entry = families.recognise(checkpoint)
-    progress(f"loading the torch reference model of family {entry.name} (fp32)")
+    progress(f"reading the configs of family {entry.name} (its model built without weights)")
     config: ExportConfig = entry.load_export_config()(checkpoint)
+    device = resolve_device(gate_device)
+    plan = plan_forms(config, forms, device)
     graphs = config.graphs()
-    gates = config.gates(atol, prob_atol, tuple(lengths), seed)
-    half_forms = _chosen_forms(config, forms)
-    progress.total += len(graphs) + 1 + len(gates) + form_steps(half_forms)
-    torch.manual_seed(seed)
+    gates = config.gates(atol, prob_atol, tuple(lengths), seed) if plan.portable else []
+    progress.total += 2 + len(graphs) + (1 + len(gates) if plan.portable else 0) + form_steps(plan.forms)
+    progress(f"writing {', '.join(([PORTABLE] if plan.portable else []) + [f.name for f in plan.forms][:1])}"
+             + (" (or the next form that passes its gate)" if len(plan.forms) > 1 else "") + f": {plan.why}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     exports = GraphExports(type(config), checkpoint, jobs, seed)
+    write = _Writer(checkpoint, progress)
     try:
-        for spec in graphs:
-            exports.start(("portable", spec.name), staging / spec.file)
-        sources = start_sources(half_forms, staging, exports, progress)
+        if plan.portable:
+            for spec in graphs:
+                exports.start(("portable", spec.name))
+        start_form_traces(config, plan.forms, exports)
         files = config.write_runtime_files(staging)
+        shapes = {}
         for spec in graphs:
-            progress(f"exporting the {spec.name} graph with torch.onnx (dynamo, opset {OPSET})")
-            exports.wait(spec, staging / spec.file)
-        roles = sorted({role for g in graphs for axes in g.axes.values() for role in axes.values()})
-        progress(f"checking that the {', '.join(roles)} axes are symbolic")
-        shapes = {spec.name: symbolic_axes(staging / spec.file, spec.axes) for spec in graphs}
+            # Without the portable graphs, the first form's trace of the graph gives its inputs' shapes.
+            progress(f"tracing the {spec.name} graph with torch.onnx (dynamo, opset {OPSET}), no weights")
+            traced = (exports.wait(("portable", spec.name), spec) if plan.portable
+                      else traced_source(config, exports, plan.forms[0], spec.name))
+            shapes[spec.name] = symbolic_axes(traced.proto(), spec.axes)
+            if plan.portable:
+                write(traced.proto(), staging / spec.file, traced, check=True)
         reports: dict[str | None, dict[str, Any]] = {}
-        for gate in gates:
-            progress(gate.title)
-            reports[gate.graph] = gate.check(staging, files)
+        if plan.portable:
+            roles = sorted({role for g in graphs for axes in g.axes.values() for role in axes.values()})
+            progress(f"checked that the {', '.join(roles)} axes are symbolic")
+            with config.reference_on(device):
+                for gate in gates:
+                    progress(gate.title + f" (torch on {device})")
+                    reports[gate.graph] = gate.check(staging, files)
         progress("writing the artifact")
         manifest = Manifest(
             family=entry.name, source=checkpoint_name(source), checkpoint=str(checkpoint),
             source_files=file_hashes(checkpoint),
             max_model_len=config.max_model_len, opset=OPSET, model=files.model_fields,
             tokenizer_class=files.tokenizer_class, special_tokens=files.special_tokens,
-            graphs={spec.name: GraphEntry(spec.file, shapes[spec.name], spec.outputs, "float32",
-                                          reports.get(spec.name)) for spec in graphs},
-            parity=reports[None], versions=_versions(),
-            exported_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        manifest = write_forms(config, half_forms, staging, manifest, resolve_device(gate_device), progress, sources)
+            graphs={spec.name: GraphEntry(spec.file if plan.portable else "", shapes[spec.name], spec.outputs,
+                                          "float32", reports.get(spec.name)) for spec in graphs},
+            parity=reports.get(None, {"summary": "no portable graphs written (the forms' gates say how they "
+                                                 "answer)"}),
+            versions=_versions(), exported_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        manifest.write(staging)
+        manifest = write_forms(config, plan.forms, staging, manifest, device, progress, exports, write)
+        if not plan.portable and not manifest.written_forms():
+            raise ParityError("no form passed its gate, and no portable graphs were asked for: nothing to serve "
+                              "(the manifest's refusals: " + "; ".join(f"{n}: {f.refused}" for n, f in
+                                                                       manifest.forms.items()) + ")")
         if out.exists():
             shutil.rmtree(out)
         staging.chmod(0o755)
@@ -142,6 +226,8 @@ def add_forms(source: str, artifact: str | Path, *, revision: str | None = None,
     checkpoint `source`, in place of the forms it has: for an artifact exported where the gate could not run on
     the forms' device. The portable graphs and their gates are kept as they are. `jobs` as `export_checkpoint`
     takes it."""
+    from .forms import remove_form_files
+
     artifact = Path(artifact)
     manifest = Manifest.read(artifact)
     progress = Progress(3)
@@ -151,29 +237,19 @@ def add_forms(source: str, artifact: str | Path, *, revision: str | None = None,
         raise ValueError(f"{artifact} was not exported from {source}: the checkpoint's files differ from those its "
                          "manifest records")
     entry = families.recognise(checkpoint)
-    progress(f"loading the torch reference model of family {entry.name} (fp32)")
+    progress(f"reading the configs of family {entry.name} (its model built without weights)")
     config: ExportConfig = entry.load_export_config()(checkpoint)
-    half_forms = _chosen_forms(config, forms)
+    names = [name for name in forms if name != PORTABLE] if forms is not None else [f.name for f in config.forms()]
+    half_forms = plan_forms(config, names, resolve_device(gate_device)).forms
     progress.total += form_steps(half_forms)
     for form in manifest.forms.values():
         remove_form_files(artifact, form.graphs)
     with GraphExports(type(config), checkpoint, jobs) as exports:
-        sources = start_sources(half_forms, artifact, exports, progress)
+        start_form_traces(config, half_forms, exports)
         manifest = write_forms(config, half_forms, artifact, replace(manifest, forms={}), resolve_device(gate_device),
-                               progress, sources)
+                               progress, exports, _Writer(checkpoint, progress))
     _print_forms(manifest)
     return manifest
-
-
-def _chosen_forms(config: ExportConfig, names: Sequence[str] | None) -> list[HalfForm]:
-    declared = config.forms()
-    if names is None:
-        return declared
-    unknown = sorted(set(names) - {form.name for form in declared})
-    if unknown:
-        raise ValueError(f"forms {', '.join(unknown)} are not among the family's: "
-                         f"{', '.join(form.name for form in declared) or 'none'}")
-    return [form for form in declared if form.name in names]
 
 
 def _print_forms(manifest: Manifest) -> None:

@@ -15,7 +15,9 @@ from .tokenizer import PromptTokenizer
 
 MANIFEST = "manifest.json"
 ARTIFACT_FORMAT = "systemone-onnx-artifact"
-ARTIFACT_VERSION = 1
+ARTIFACT_VERSION = 2
+# Version 1 (every artifact has its portable graphs) loads as it is; version 2 may have none (`GraphEntry.file` "").
+READABLE_VERSIONS = (1, 2)
 
 
 class ArtifactError(ValueError):
@@ -24,7 +26,8 @@ class ArtifactError(ValueError):
 
 @dataclass(frozen=True)
 class GraphEntry:
-    """One graph file of the artifact: its inputs' shapes (symbolic axes named), outputs, dtype, parity gate."""
+    """One graph of the artifact: its portable file ("" when export wrote only half-precision forms), its inputs'
+    shapes (symbolic axes named), outputs, dtype, parity gate."""
 
     file: str
     inputs: dict[str, list[str | int]]
@@ -114,8 +117,12 @@ class Manifest:
             raise ArtifactError(f"{root} is not an exported artifact: it has no {MANIFEST} "
                                 "(run `systemone export SRC --out DIR` first)")
         raw = json.loads(path.read_text(encoding="utf-8"))
-        if raw.get("format") != ARTIFACT_FORMAT or raw.get("format_version") != ARTIFACT_VERSION:
-            raise ArtifactError(f"{path}: not a {ARTIFACT_FORMAT} version {ARTIFACT_VERSION} manifest")
+        if raw.get("format") != ARTIFACT_FORMAT:
+            raise ArtifactError(f"{path}: not a {ARTIFACT_FORMAT} manifest")
+        if raw.get("format_version") not in READABLE_VERSIONS:
+            raise ArtifactError(f"{path}: artifact format version {raw.get('format_version')!r}; this systemone-onnx "
+                                f"reads versions {', '.join(map(str, READABLE_VERSIONS))}: export the checkpoint again "
+                                "(`systemone export CHECKPOINT --out DIR`)")
         try:
             return cls.from_dict(raw)
         except (KeyError, TypeError, ValueError) as exc:
@@ -147,9 +154,18 @@ class Artifact:
         graphs = self.manifest.graphs
         if name not in graphs:
             raise ArtifactError(f"artifact {self.root} has no {name!r} graph (it has {', '.join(graphs)})")
+        file = graphs[name].file
         if self.form != PORTABLE:
-            return self.root / self.manifest.forms[self.form].graphs.get(name, graphs[name].file)
-        return self.root / graphs[name].file
+            file = self.manifest.forms[self.form].graphs.get(name, file)
+        if not file:
+            raise ArtifactError(f"artifact {self.root} has no portable {name!r} graph (it was exported with "
+                                f"{', '.join(self.written_forms()) or 'no form'} only)")
+        return self.root / file
+
+    @property
+    def has_portable(self) -> bool:
+        """Whether export wrote the portable fp32 graphs."""
+        return all(entry.file for entry in self.manifest.graphs.values())
 
     def written_forms(self) -> dict[str, FormEntry]:
         """The forms export wrote beside the portable one (not those it refused)."""
@@ -158,14 +174,20 @@ class Artifact:
     def forms_for(self, device: str) -> list[str]:
         """The forms this artifact can run on `device` (cpu, cuda, rocm), best first: the written forms made for
         it, then the portable one."""
-        return [*(name for name, form in self.written_forms().items() if device in form.providers), PORTABLE]
+        return [*(name for name, form in self.written_forms().items() if device in form.providers),
+                *([PORTABLE] if self.has_portable else [])]
 
     def with_form(self, form: str, device: str) -> Artifact:
         """This artifact reading `form`'s graphs: "auto" takes the best form for `device`; a form named outright
         runs on any device (onnxruntime casts what a provider has no half-precision kernel for)."""
         if form == "auto":
-            form = self.forms_for(device)[0]
-        written = [PORTABLE, *self.written_forms()]
+            usable = self.forms_for(device)
+            if not usable:
+                raise ArtifactError(f"artifact {self.root} has no form for {device} (it has "
+                                    f"{', '.join(self.written_forms())}): export it with --forms portable, or serve "
+                                    "it where its forms run")
+            form = usable[0]
+        written = [*([PORTABLE] if self.has_portable else []), *self.written_forms()]
         if form not in written:
             refused = self.manifest.forms.get(form)
             why = f" (export refused it: {refused.refused})" if refused and refused.refused else ""

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import argparse
 import base64
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from systemone.bench import percentile_ms, timed
 from systemone.export.d1.answer_parity import sixteen_questions
-from systemone.export.half_precision import FLOAT16_MATMULS, convert_to_half
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import CallCost
@@ -47,7 +44,6 @@ from systemone.runtime.d1.state import D1TextRunner, Snapshot
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.media_decode import decode_image
 from systemone.runtime.service import DecisionService
-from systemone.runtime.session import GraphSession
 
 
 def median_ms(fn: Callable[[], Any], repeats: int = 7) -> str:
@@ -123,7 +119,7 @@ def gpu_stages(stages: dict[str, Callable[[], Any]], runs: int = 5) -> None:
             print(f"    {kernel['ms']:6.2f} ms  {kernel['launches_per_run']:5.0f}x  {kernel['name'][:110]}")
 
 
-def image_stages(service: DecisionService, baseline: GraphSession | None, portable: GraphSession | None) -> None:
+def image_stages(service: DecisionService) -> None:
     encoder = service.engine.media
     # The same pixels as a PNG and a JPEG; the request above sends the PNG, whose pixels the stages below take.
     files = {fmt: base64.b64decode(image_url(1024, 1024, seed=7, fmt=fmt).split(",", 1)[1]) for fmt in ("PNG", "JPEG")}
@@ -152,11 +148,6 @@ def image_stages(service: DecisionService, baseline: GraphSession | None, portab
         feeds = {"patches": patches, "positions": positions}
         print(f"grid {grid}: {len(crops)} crops, patches {patches.shape}, vision graph run",
               median_ms(lambda: encoder.session.run(feeds)))
-        if baseline is not None and portable is not None:
-            print("  the portable graph with fp16 products, same crops", median_ms(lambda: baseline.run(feeds)))
-            served, products, reference = (session.run(feeds)[0] for session in (encoder.session, baseline, portable))
-            print(f"  largest difference from the portable fp32 graph: served {np.abs(served - reference).max():.3e}, "
-                  f"fp16 products {np.abs(products - reference).max():.3e} (rows up to {np.abs(reference).max():.3f})")
         print("  position table resized (uncached)", median_ms(lambda: encoder._positions(*grid)))
 
 
@@ -167,20 +158,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--gpu-kernels", action="store_true",
                         help="also the GPU's kernel time of the prefill, the reads and the whole run (CUDA, torch)")
-    parser.add_argument("--vision-baseline", action="store_true",
-                        help="also time the portable vision graph with fp16 products on the same crops")
     args = parser.parse_args()
     service = DecisionService(Artifact.load(args.artifact), EngineOptions(device=args.device))
     print(f"{args.artifact} on {service.provider}, form {service.form}")
     print("batch rows", service.batch_sizing().describe())
     stages = request_stages(service, args.requests)
-    with tempfile.TemporaryDirectory() as scratch:
-        baseline = portable = None
-        if args.vision_baseline:
-            portable_graph, target = Path(args.artifact) / "vision.onnx", Path(scratch) / "vision.fp16-products.onnx"
-            convert_to_half(portable_graph, target, ["media_embeds"], FLOAT16_MATMULS)
-            baseline, portable = (GraphSession(path, args.device) for path in (target, portable_graph))
-        image_stages(service, baseline, portable)
+    image_stages(service)
     if args.gpu_kernels:
         gpu_stages(stages)
 

@@ -101,7 +101,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"systemone export: --portable-only writes no half-precision form; it cannot go with {other}",
               file=sys.stderr)
         return 2
-    forms = [] if args.portable_only else args.forms.split(",") if args.forms else None
+    forms = ["portable"] if args.portable_only else args.forms.split(",") if args.forms else None
     if args.add_forms:
         add_forms(args.source, args.out, revision=args.revision, forms=forms, gate_device=args.gate_device,
                   jobs=args.jobs)
@@ -401,17 +401,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--prob-atol", type=float, default=1e-4, help="max |probability diff| vs torch")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     export.add_argument("--portable-only", action="store_true",
-                        help="write only the portable fp32 graphs, not the gated half-precision CUDA form")
+                        help="write only the portable fp32 graphs (the same as --forms portable)")
     export.add_argument("--forms", metavar="NAME[,NAME]",
-                        help="the half-precision forms to try, of those the family declares (default: all, in order)")
+                        help="what to write: portable (the fp32 graphs every provider runs) and the half-precision "
+                             "forms to try, in the family's order (default: the CUDA forms where CUDA can gate them, "
+                             "else the portable graphs; export prints which and why)")
     export.add_argument("--add-forms", action="store_true",
                         help="write the half-precision forms onto --out, an artifact already exported from SOURCE "
                              "(for a gate on the forms' device); its portable graphs are kept")
     export.add_argument("--gate-device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the half-precision form's answer gate runs (auto: CUDA when onnxruntime has it)")
     export.add_argument("--jobs", type=_positive_int, default=1,
-                        help="graphs exported at once, each in a worker process with its own copy of the fp32 model "
-                             "(a graph's export is one core for minutes at the released sizes)")
+                        help="graphs traced at once, each in a worker process (a trace is one core for a minute or "
+                             "more at the released sizes, and holds no weights)")
     export.set_defaults(func=cmd_export)
 
     serve = sub.add_parser("serve", help="serve POST /v1/systemone", parents=[common], formatter_class=formatter)

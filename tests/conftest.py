@@ -16,6 +16,12 @@ from systemone.runtime.pixel_workers import PixelWorkers
 from systemone.runtime.service import DecisionService
 
 
+# The portable graphs and the CUDA forms' ladder, gated here on the CPU: the tests read both (a CPU export writes the
+# portable graphs only unless asked).
+EVERY_FORM = ["portable", "cuda-fused-fp16", "cuda-fused-mixed", "cuda-fused", "cuda-fp16", "cuda-mixed",
+              "cuda-fp16-matmuls"]
+
+
 @pytest.fixture(scope="session")
 def d3_checkpoint(tmp_path_factory) -> Path:
     return build_d3_checkpoint(tmp_path_factory.mktemp("ckpt") / "d3-tiny", attention_mode="noncausal_full_attention")
@@ -28,12 +34,13 @@ def d3_causal_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def d3_artifact(d3_checkpoint, tmp_path_factory) -> Path:
-    return export_checkpoint(str(d3_checkpoint), tmp_path_factory.mktemp("art") / "d3-tiny")
+    return export_checkpoint(str(d3_checkpoint), tmp_path_factory.mktemp("art") / "d3-tiny", forms=EVERY_FORM)
 
 
 @pytest.fixture(scope="session")
 def d3_causal_artifact(d3_causal_checkpoint, tmp_path_factory) -> Path:
-    return export_checkpoint(str(d3_causal_checkpoint), tmp_path_factory.mktemp("art") / "d3-tiny-causal")
+    return export_checkpoint(str(d3_causal_checkpoint), tmp_path_factory.mktemp("art") / "d3-tiny-causal",
+                             forms=EVERY_FORM)
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +74,7 @@ def d1_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def d1_artifact(d1_checkpoint, tmp_path_factory) -> Path:
-    return export_checkpoint(str(d1_checkpoint), tmp_path_factory.mktemp("art") / "d1-tiny")
+    return export_checkpoint(str(d1_checkpoint), tmp_path_factory.mktemp("art") / "d1-tiny", forms=EVERY_FORM)
 
 
 @pytest.fixture(scope="session")

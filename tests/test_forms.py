@@ -203,7 +203,7 @@ def test_the_fused_graph_in_torch_is_the_portable_one(mode, request):
     config = D3ExportConfig(request.getfixturevalue("d3_checkpoint" if mode == "noncausal" else "d3_causal_checkpoint"))
     inputs = config.example_inputs()
     with torch.no_grad():
-        portable, fused = (config.graph(fused=fused)(*inputs) for fused in (False, True))
+        portable, fused = (config.graph(fused=fused, reference=True)(*inputs) for fused in (False, True))
     if mode == "noncausal":
         portable, fused = (portable,), (fused,)
     assert len(portable) == len(fused) == (1 if mode == "noncausal" else 1 + len(inputs[-1]))
@@ -215,29 +215,26 @@ def test_the_fused_graph_in_torch_is_the_portable_one(mode, request):
 
 def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_checkpoint, d3_artifact, tmp_path,
                                                                               monkeypatch, capsys):
-    """`export --add-forms` on a copy of the artifact, every form but the last held to an impossible bound: each is
-    refused and removed in turn, and the last, the matmuls-only rewrite of the portable graph, is written."""
+    """`export --add-forms` on a copy of the artifact, two fused rungs held to an impossible bound: each is refused
+    and removed in turn, and the next, the matmuls-only rewrite of the portable graph, is written. The fused graphs
+    the two rungs convert are traced once."""
     from systemone.export.d3.config import D3ExportConfig
 
     real = D3ExportConfig.forms
     monkeypatch.setattr(D3ExportConfig, "forms", lambda self: [
         replace(form, tolerance=AnswerTolerance(max_dp=1e-9)) if form.name != "cuda-fp16-matmuls" else form
         for form in real(self)])
-    import systemone.export.forms as forms_module
     import systemone.export.graph_export as graph_export_module
 
-    exports, conversions = [], []
-    real_export, real_convert = graph_export_module.export_graph, forms_module.convert_to_half
-    monkeypatch.setattr(graph_export_module, "export_graph",
-                        lambda spec, path: exports.append(path) or real_export(spec, path))
-    monkeypatch.setattr(forms_module, "convert_to_half", lambda source, target, outputs, precision: (
-        conversions.append((target.name.split(".")[0], precision.name)), real_convert(source, target, outputs,
-                                                                                      precision)))
+    traces = []
+    real_trace = graph_export_module.trace_graph
+    monkeypatch.setattr(graph_export_module, "trace_graph",
+                        lambda spec, tensors: traces.append(spec.translations is not None) or real_trace(spec, tensors))
     out = tmp_path / "art"
     shutil.copytree(d3_artifact, out)
-    manifest = add_forms(str(d3_checkpoint), out)
+    refused_names = ["cuda-fused-fp16", "cuda-fused-mixed"]
+    manifest = add_forms(str(d3_checkpoint), out, forms=[*refused_names, "cuda-fp16-matmuls"])
     err = capsys.readouterr().err
-    refused_names = ["cuda-fused-fp16", "cuda-fused-mixed", "cuda-fused", "cuda-fp16", "cuda-mixed"]
     assert list(manifest.forms) == [*refused_names, "cuda-fp16-matmuls"]
     for name in refused_names:
         assert f"the {name} form is not written: answers disagree with the torch fp32 model over 210 questions: " \
@@ -246,24 +243,25 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
         assert refused.refused.startswith("answers disagree") and refused.graphs == {}
         for file in form_files(name).values():
             assert not (out / file).exists() and not (out / f"{file}.data").exists()
-    assert [path.name.split(".")[0] for path in exports] == ["text", "vision"]  # each fused graph once for 3 forms
-    assert sorted(path.name for path in out.glob("*.float32.onnx*")) == []  # the fused fp32 export is removed
-    # The vision graph, at one precision on every rung, is converted once from each source (the fused one for the
-    # fused rungs, the portable one for the others); each rung links to its source's conversion.
-    assert conversions.count(("vision", "float16-matmuls")) == 2
-    assert [c for c in conversions if c[0] == "text"] == [("text", p) for p in ("float16", "float16-mixed",
-                                                                                 "float16-matmuls") * 2]
-    assert sorted(path.name for path in out.glob("*.kept*")) == []
+    assert sorted(traces) == [False, False, True, True]  # fused text and vision once for two forms; the portable
     written = manifest.forms["cuda-fp16-matmuls"]
     assert written.refused is None and written.gate["max_abs_dp"] <= 0.02
     assert written.graphs == form_files("cuda-fp16-matmuls")
     artifact = Artifact.load(out)
     assert artifact.forms_for("cuda") == ["cuda-fp16-matmuls", "portable"]
     with pytest.raises(ArtifactError, match="export refused it: answers disagree"):
-        artifact.with_form("cuda-fp16", "cuda")
+        artifact.with_form("cuda-fused-fp16", "cuda")
     # Only the matrix products and the embedding lookup are fp16: norms, softmax and the residual stream stay fp32.
     half = onnx.load(str(out / "text.cuda-fp16-matmuls.onnx"), load_external_data=False)
     assert fp16_producers(half) == {"MatMul", "Gather", "Cast"}
+
+
+def _convert(source: Path, target: Path, outputs: list[str], precision) -> None:
+    """A written fp32 graph converted as export converts it, saved with its weights."""
+    from systemone.export.half_precision import convert_to_half
+
+    half = convert_to_half(onnx.load(str(source)), outputs, precision)
+    onnx.save(half, str(target), save_as_external_data=True, location=f"{target.name}.data")
 
 
 def half_value_producers(graph) -> dict[str, str]:
@@ -276,11 +274,11 @@ def half_value_producers(graph) -> dict[str, str]:
 def test_every_precision_keeps_the_rotary_angles_in_fp32(d3_artifact, tmp_path, precision):
     """Position times frequency is rounded to fp16 nowhere: at position 1000 fp16 is half a radian off."""
     from systemone.export import half_precision
-    from systemone.export.half_precision import convert_to_half, rotary_angles
+    from systemone.export.half_precision import rotary_angles
 
     chosen = next(p for p in vars(half_precision).values()
                   if isinstance(p, half_precision.Precision) and p.name == precision)
-    convert_to_half(d3_artifact / "text.onnx", tmp_path / "half.onnx", ["code_logits"], chosen)
+    _convert(d3_artifact / "text.onnx", tmp_path / "half.onnx", ["code_logits"], chosen)
     half = onnx.load(str(tmp_path / "half.onnx"), load_external_data=False).graph
     angles = rotary_angles(half)
     assert len(angles) >= 3  # the positions' cast, the product with the frequencies, the channel pick
@@ -293,9 +291,9 @@ def test_the_mixed_precision_runs_as_torch_autocast(d3_artifact, tmp_path):
     """fp16 where autocast computes in fp16 (the matrix products, and what follows them on fp16 values alone: the
     MLP's SiLU gate and product), fp32 where it computes in fp32 (the norms, softmax) or promotes (the residual
     sums, which read the fp32 stream)."""
-    from systemone.export.half_precision import FLOAT16_MIXED, convert_to_half
+    from systemone.export.half_precision import FLOAT16_MIXED
 
-    convert_to_half(d3_artifact / "text.onnx", tmp_path / "half.onnx", ["code_logits"], FLOAT16_MIXED)
+    _convert(d3_artifact / "text.onnx", tmp_path / "half.onnx", ["code_logits"], FLOAT16_MIXED)
     half = onnx.load(str(tmp_path / "half.onnx"), load_external_data=False).graph
     fp16 = half_value_producers(half)
     producer = {o: n for n in half.node for o in n.output}
@@ -354,7 +352,7 @@ def test_the_mixed_fused_form_adds_each_blocks_output_to_the_stream_inside_the_n
     from systemone.export.d3.config import D3ExportConfig
 
     half = mixed_fused_text
-    layers = D3ExportConfig(d3_checkpoint).model.config.text_config.num_hidden_layers
+    layers = D3ExportConfig(d3_checkpoint).meta.config.text_config.num_hidden_layers
     types = {v.name: v.type.tensor_type.elem_type for v in [*half.value_info, *half.input, *half.output]}
     types.update({t.name: t.data_type for t in half.initializer})
     norms = [n for n in half.node if n.op_type == "SkipSimplifiedLayerNormalization"]
@@ -524,7 +522,7 @@ def test_the_fused_d1_text_graph_in_torch_is_the_portable_one(d1_checkpoint):
     config = D1ExportConfig(d1_checkpoint)
     inputs = config.example_inputs()
     with torch.no_grad():
-        portable, fused = (config.graph(fused=fused)(*inputs) for fused in (False, True))
+        portable, fused = (config.graph(fused=fused, reference=True)(*inputs) for fused in (False, True))
     assert torch.equal(portable[1], fused[1])
     for want, got in zip(portable[:1] + portable[2:], fused[:1] + fused[2:], strict=True):
         assert torch.allclose(want, got, atol=1e-5), (want - got).abs().max()
@@ -634,7 +632,7 @@ def test_the_fused_vision_graph_in_torch_is_the_portable_one(family, request):
     config = {"d3": D3ExportConfig, "d1": D1ExportConfig}[family](request.getfixturevalue(f"{family}_checkpoint"))
     inputs = config.vision_example_inputs()
     with torch.no_grad():
-        portable, fused = (config.vision_graph(fused=fused)(*inputs) for fused in (False, True))
+        portable, fused = (config.vision_graph(fused=fused, reference=True)(*inputs) for fused in (False, True))
     assert torch.allclose(portable, fused, atol=1e-5), (portable - fused).abs().max()
 
 

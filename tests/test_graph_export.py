@@ -1,21 +1,24 @@
-"""How export writes each graph (export/graph_export.py): without the optimizer rules it leaves out, the graphs
-are those of the optimizer's full rule set; in worker processes (`--jobs`), the artifact is the one written in one
-process."""
+"""How export writes each graph (export/graph_export.py, export/weights.py): traced on a model with no weights, the
+weights streamed from the checkpoint one at a time in the dtype each graph declares; without the optimizer rules it
+leaves out, the graphs are those of the full rule set; in worker processes (`--jobs`), the artifact is the one
+written in one process."""
 
 from __future__ import annotations
 
+import filecmp
+import weakref
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
 
-from scripts.export_rules_timing import same_graph
-from systemone.export.graph_export import SKIPPED_RULES, export_graph
+from systemone.export.graph_export import READABLE_WHILE_TRACED, SKIPPED_RULES, trace_graph
 from systemone.export.pipeline import export_checkpoint
 from systemone.export.source import resolve_checkpoint
+from systemone.export.weights import CheckpointTensors, WeightBook, recipe_of, write_graph
 from systemone.models.registry import FAMILIES
-from systemone.runtime.artifact import Manifest
 
 
 def _config(checkpoint: Path):
@@ -23,62 +26,168 @@ def _config(checkpoint: Path):
     return FAMILIES.recognise(checkpoint).load_export_config()(checkpoint)
 
 
-@pytest.mark.parametrize("family, graph", [("d3", "text"), ("d3", "vision"), ("d1", "text"), ("d1", "vision")])
-def test_the_portable_graphs_are_those_of_the_full_rule_set(family, graph, request, tmp_path):
-    # d3's causal graph: the chunked delta rule in a Scan, with the state in and out (the most Slices of any graph).
-    names = ("d3_causal_checkpoint", "d3_causal_artifact") if family == "d3" else ("d1_checkpoint", "d1_artifact")
-    checkpoint, artifact = (request.getfixturevalue(name) for name in names)
-    spec = next(s for s in _config(checkpoint).graphs() if s.name == graph)
+def without_debug_records(path: Path) -> bytes:
+    """The graph as onnxruntime reads it: the exporter's per-node debug records (stack traces that name generated
+    code by a counter, different from one export to the next in a process) taken out, subgraphs included."""
+    model = onnx.load(str(path), load_external_data=False)
+
+    def strip(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            del node.metadata_props[:]
+            for attribute in node.attribute:
+                for body in [attribute.g] * attribute.HasField("g") + list(attribute.graphs):
+                    strip(body)
+
+    strip(model.graph)
+    return model.SerializeToString()
+
+
+def same_graph(a: Path, b: Path) -> bool:
+    """Whether two exports wrote the same graph and the same weights."""
+    return without_debug_records(a) == without_debug_records(b) and filecmp.cmp(f"{a}.data", f"{b}.data", False)
+
+
+class ReadLog:
+    """CheckpointTensors.read, recorded: the keys and sizes read, and the most arrays it returned alive at once."""
+
+    def __init__(self, monkeypatch):
+        self.reads: list[tuple[str, int]] = []
+        self.live = self.most_live = 0
+        real = CheckpointTensors.read
+
+        def read(tensors, file, key):
+            values = real(tensors, file, key)
+            self.reads.append((key, values.size))
+            self.live += 1
+            self.most_live = max(self.most_live, self.live)
+            holder = np.asarray(values).view()
+            weakref.finalize(holder, self._released)
+            return holder
+
+        monkeypatch.setattr(CheckpointTensors, "read", read)
+
+    def _released(self) -> None:
+        self.live -= 1
+
+
+def test_a_graph_is_traced_without_reading_its_weights(d3_causal_checkpoint, monkeypatch):
+    config = _config(d3_causal_checkpoint)
+    log = ReadLog(monkeypatch)
+    traced = trace_graph(config.graphs()[0], config.skeleton.tensors)
+    assert all(size <= READABLE_WHILE_TRACED for _, size in log.reads), log.reads
+    assert not any(key.endswith("embed_tokens.weight") for key, _ in log.reads)
+    virtual = [t for t in traced.proto().graph.initializer if recipe_of(t) is not None]
+    assert sum(int(np.prod(t.dims)) for t in virtual) > 16_000_000  # the embedding table among them, unread
+
+
+def test_the_weights_are_written_one_at_a_time_as_the_checkpoint_stores_them(d3_checkpoint, monkeypatch, tmp_path):
+    config = _config(d3_checkpoint)
+    traced = trace_graph(config.graphs()[0], config.skeleton.tensors)
+    log = ReadLog(monkeypatch)
+    path = write_graph(traced.proto(), tmp_path / "text.onnx", traced.book, config.skeleton.tensors)
+    assert log.most_live <= 2  # one weight, or the two a folded node reads
+    written = {t.name: t for t in onnx.load(str(path)).graph.initializer}
+    table = onnx.numpy_helper.to_array(written["front/embed_tokens.weight"])
+    from safetensors.torch import load_file
+
+    expected = load_file(str(d3_checkpoint / "model.safetensors"))["language_model.embed_tokens.weight"].float()
+    assert np.array_equal(table, expected.numpy())
+
+
+def test_a_half_precision_weight_is_written_in_fp16_from_its_recipe(tmp_path):
+    from systemone.export.weights import Constant, virtual_tensor
+
+    book = WeightBook()
+    values = np.array([[1e-9, -3.0, 70000.0, 0.5]], dtype=np.float32)
+    book.add("w", Constant(values))
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["w"], ["y"])], "g", [],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, [1, 4])],
+        [virtual_tensor("w", onnx.TensorProto.FLOAT16, (1, 4))]))
+    path = write_graph(model, tmp_path / "g.onnx", book, None)
+    written = onnx.numpy_helper.to_array(onnx.load(str(path)).graph.initializer[0])
+    assert written.dtype == np.float16
+    # As onnxruntime's converter writes fp16: the smallest magnitudes kept off zero, the largest off infinity.
+    assert written[0, 0] > 0 and np.isfinite(written[0, 2]) and written[0, 1] == -3.0 and written[0, 3] == 0.5
+
+
+def test_the_portable_graph_is_that_of_the_full_rule_set(d3_causal_checkpoint, d3_causal_artifact, tmp_path):
+    # d3's causal text graph: the chunked delta rule in a Scan, with the state in and out (the most Slices of any).
+    config = _config(d3_causal_checkpoint)
+    spec = config.graphs()[0]
     torch.manual_seed(0)
-    full = export_graph(spec, tmp_path / spec.file, skipped_rules=())
-    assert same_graph(artifact / spec.file, full)
+    traced = trace_graph(spec, config.skeleton.tensors, skipped_rules=())
+    full = write_graph(traced.proto(), tmp_path / spec.file, traced.book, config.skeleton.tensors)
+    assert same_graph(d3_causal_artifact / spec.file, full)
 
 
-@pytest.mark.parametrize("family, graph", [("d3", "text"), ("d3", "vision"), ("d1", "text"), ("d1", "vision")])
-def test_the_fused_graphs_are_those_of_the_full_rule_set(family, graph, request, tmp_path):
-    checkpoint = request.getfixturevalue("d3_causal_checkpoint" if family == "d3" else "d1_checkpoint")
-    spec = next(form for form in _config(checkpoint).forms() if form.sources).sources[graph]
-    (tmp_path / "skipped").mkdir(), (tmp_path / "full").mkdir()
-    assert same_graph(export_graph(spec, tmp_path / "skipped" / spec.file),
-                      export_graph(spec, tmp_path / "full" / spec.file, skipped_rules=()))
-
-
-def test_the_optimizer_runs_without_the_skipped_rules_and_gets_them_back(monkeypatch, tmp_path):
+def test_the_optimizer_runs_without_the_skipped_rules_and_gets_them_back(monkeypatch):
+    import onnxscript.optimizer
     import onnxscript.rewriter as rewriter
+
+    from systemone.export import graph_export
 
     before = rewriter._DEFAULT_REWRITE_RULES
     assert SKIPPED_RULES <= {rule.name for rule in before}, "onnxscript no longer has the rule export leaves out"
     seen = []
-    monkeypatch.setattr(torch.onnx, "export",
+    monkeypatch.setattr(onnxscript.optimizer, "optimize_ir",
                         lambda *args, **kwargs: seen.append({r.name for r in rewriter._DEFAULT_REWRITE_RULES}))
-    monkeypatch.setattr(onnx.checker, "check_model", lambda path: None)
-
-    class Spec:
-        inputs = outputs = []
-        dynamic_shapes = translations = None
-        module = example_inputs = staticmethod(lambda: None)
-
-    export_graph(Spec, tmp_path / "g.onnx")
-    assert seen and not seen[0] & SKIPPED_RULES
+    with graph_export._rewrite_rules_without(SKIPPED_RULES):
+        onnxscript.optimizer.optimize_ir(None)
     assert seen[0] == {rule.name for rule in before} - SKIPPED_RULES
     assert rewriter._DEFAULT_REWRITE_RULES is before
-    export_graph(Spec, tmp_path / "g.onnx", skipped_rules=())
+    with graph_export._rewrite_rules_without(()):
+        onnxscript.optimizer.optimize_ir(None)
     assert seen[1] == {rule.name for rule in before}
 
 
-def _gate_figures(manifest: Manifest) -> dict:
-    """Each form's gate but `batch_rows`, the call cost start-up measured (a timing)."""
-    return {name: {k: v for k, v in form.gate.items() if k != "batch_rows"} for name, form in manifest.forms.items()}
-
-
-def test_graphs_exported_in_worker_processes_make_the_same_artifact(d3_causal_checkpoint, d3_causal_artifact, tmp_path):
-    out = export_checkpoint(str(d3_causal_checkpoint), tmp_path / "art", jobs=2)
+def test_graphs_traced_in_worker_processes_make_the_same_artifact(d3_causal_checkpoint, d3_causal_artifact, tmp_path):
+    out = export_checkpoint(str(d3_causal_checkpoint), tmp_path / "art", jobs=2,
+                            forms=["portable", "cuda-fused-fp16"])
     graphs = sorted(path.name for path in d3_causal_artifact.glob("*.onnx"))
     assert graphs == sorted(path.name for path in out.glob("*.onnx"))
     assert len(graphs) >= 4  # the portable text and vision graphs, and the form's
     for name in graphs:
         assert same_graph(out / name, d3_causal_artifact / name), name
-    alone, workers = Manifest.read(d3_causal_artifact), Manifest.read(out)
-    assert workers.parity == alone.parity
-    assert _gate_figures(workers) == _gate_figures(alone)
     assert not list(tmp_path.glob(".art.*")), "a staging folder was left behind"
+
+
+@pytest.mark.parametrize("asked, portable, forms", [
+    (None, True, []),  # no CUDA here: the portable graphs only
+    (["portable"], True, []),
+    (["cuda-fused-mixed"], False, ["cuda-fused-mixed"]),
+    (["portable", "cuda-fused-fp16", "cuda-fp16"], True, ["cuda-fused-fp16", "cuda-fp16"]),
+])
+def test_export_writes_the_forms_asked_or_those_its_device_can_gate(d3_checkpoint, asked, portable, forms):
+    from systemone.export.pipeline import plan_forms
+
+    plan = plan_forms(_config(d3_checkpoint), asked, "cpu")
+    assert (plan.portable, [form.name for form in plan.forms]) == (portable, forms)
+    assert plan.why
+
+
+def test_on_cuda_export_writes_the_cuda_forms_without_the_portable_graphs(d3_checkpoint):
+    from systemone.export.pipeline import plan_forms
+
+    plan = plan_forms(_config(d3_checkpoint), None, "cuda")
+    assert not plan.portable and plan.forms[0].name == "cuda-fused-fp16"
+    assert "portable" in plan.why  # says how to get them
+
+
+def test_unknown_forms_and_an_empty_choice_are_refused(d3_checkpoint):
+    from systemone.export.pipeline import plan_forms
+
+    with pytest.raises(ValueError, match="cuda-nope are not among the family's: portable, cuda-fused-fp16"):
+        plan_forms(_config(d3_checkpoint), ["cuda-nope"], "cpu")
+    with pytest.raises(ValueError, match="no form to write"):
+        plan_forms(_config(d3_checkpoint), [], "cpu")
+
+
+def test_a_large_model_gets_no_portable_graphs_unless_asked(d3_checkpoint, monkeypatch):
+    from systemone.export import pipeline
+
+    config = _config(d3_checkpoint)
+    monkeypatch.setattr(type(config.skeleton), "parameter_count", lambda self: 27_000_000_000)
+    with pytest.raises(ValueError, match="27B-parameter model would hold 108 GB"):
+        pipeline.plan_forms(config, None, "cpu")
+    assert pipeline.plan_forms(config, ["portable"], "cpu").portable

@@ -9,7 +9,6 @@ settings, the vision position table).
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,12 @@ from ...runtime.session import GraphSession
 from ...runtime.tokenizer import PromptTokenizer
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
 from ..half_precision import FLOAT16_MATMULS
+from ..skeleton import Skeleton
+from ..stack import Layer, Stack, meta_outputs
 from ..parity import sample_prompts
 from ..fused_ops import TRANSLATIONS
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
-from .lfm2_text import D1TextGraph
+from .lfm2_text import D1TextFront, D1TextGraph
 from .lfm2_vision import D1VisionGraph
 
 TEXT_INPUTS = ["input_ids", "media_embeds", "media_index", "last_index", "label_ids"]
@@ -63,8 +64,8 @@ class D1ExportConfig(ExportConfig):
         self.checkpoint = checkpoint
         self.config = AutoConfig.from_pretrained(checkpoint)
         self.text_config = self.config.text_config
-        self.model = Lfm2VlForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32,
-                                                                    attn_implementation="eager").eval()
+        self.skeleton = Skeleton.build(Lfm2VlForConditionalGeneration, self.config, checkpoint,
+                                       attn_implementation="eager")
         raw, _ = processor_settings(checkpoint)
         self.image_config = Lfm2ImageConfig.from_processor_config(raw)
         vision = self.config.vision_config
@@ -74,6 +75,17 @@ class D1ExportConfig(ExportConfig):
         if self.image_config.downsample_factor != self.config.downsample_factor:
             raise ValueError(f"processor downsample_factor {self.image_config.downsample_factor} != model "
                              f"downsample_factor {self.config.downsample_factor}")
+
+    def load_reference(self) -> Any:
+        from transformers import Lfm2VlForConditionalGeneration
+
+        return Lfm2VlForConditionalGeneration.from_pretrained(self.checkpoint, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+
+    @property
+    def meta(self) -> Any:
+        """The skeleton's `Lfm2VlForConditionalGeneration` (parameters on meta): the graphs' structure."""
+        return self.skeleton.model
 
     @property
     def layer_types(self) -> list[str]:
@@ -88,8 +100,11 @@ class D1ExportConfig(ExportConfig):
         return self.text_config.hidden_size // self.text_config.num_attention_heads
 
     # -- graphs ----------------------------------------------------------------------------------------------
-    def graph(self, fused: bool = False) -> D1TextGraph:
-        return D1TextGraph(self.model.model.language_model, self.model.lm_head, fused).eval()
+    def graph(self, fused: bool = False, reference: bool = False) -> D1TextGraph:
+        """The text graph's module: on the skeleton (what export traces), or with `reference` on the torch model's
+        weights (to run it in torch)."""
+        model = self.model if reference else self.meta
+        return D1TextGraph(model.model.language_model, model.lm_head, fused).eval()
 
     def state_shapes(self, past: int) -> list[tuple[int, ...]]:
         """Shapes of the past state inputs (batch 1) after a prefix of `past` tokens, in input order."""
@@ -123,8 +138,9 @@ class D1ExportConfig(ExportConfig):
                                  for kind in self.layer_types for _ in range(2 if kind == "full_attention" else 1))
         return shapes
 
-    def vision_graph(self, fused: bool = False) -> D1VisionGraph:
-        return D1VisionGraph(self.model.model.vision_tower, self.model.model.multi_modal_projector,
+    def vision_graph(self, fused: bool = False, reference: bool = False) -> D1VisionGraph:
+        model = self.model if reference else self.meta
+        return D1VisionGraph(model.model.vision_tower, model.model.multi_modal_projector,
                              self.config.downsample_factor, fused).eval()
 
     def vision_example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -139,7 +155,8 @@ class D1ExportConfig(ExportConfig):
     @property
     def position_table(self) -> np.ndarray:
         """The vision tower's position embedding as its square [S, S, width] table."""
-        weight = self.model.model.vision_tower.embeddings.position_embedding.weight.detach().float().numpy()
+        stored = self.skeleton.recipes[id(self.meta.model.vision_tower.embeddings.position_embedding.weight)]
+        weight = self.skeleton.tensors.read(stored.file, stored.key).astype(np.float32)
         side = int(round(weight.shape[0] ** 0.5))
         return weight.reshape(side, side, -1)
 
@@ -191,17 +208,92 @@ class D1ExportConfig(ExportConfig):
     def layout(self) -> StateLayout:
         return StateLayout.from_manifest(self.manifest_bits())
 
-    def graphs(self) -> list[GraphSpec]:
+    def graphs(self, fused: bool = False) -> list[GraphSpec]:
+        """The text and vision graphs; `fused`: as the CUDA forms write them, with onnxruntime's fused ops."""
         layout = self.layout
         past_axes = {name: {2: "past"} for name in layout.names("past") if "_conv_" not in name}
         dynamic = torch.export.Dim.DYNAMIC
+        translations = TRANSLATIONS if fused else None
+        vision_shapes = {"patches": {0: dynamic, 1: dynamic}, "positions": {0: dynamic}}
         return [
             GraphSpec("text", TEXT_INPUTS + layout.names("past"), TEXT_OUTPUTS + layout.names("new"),
-                      {**TEXT_AXES, **past_axes}, self.dynamic_shapes(), self.graph, self.example_inputs),
-            GraphSpec("vision", VISION_INPUTS, VISION_OUTPUTS, VISION_AXES,
-                      {"patches": {0: dynamic, 1: dynamic}, "positions": {0: dynamic}}, self.vision_graph,
-                      self.vision_example_inputs),
+                      {**TEXT_AXES, **past_axes}, self.dynamic_shapes(), lambda: self.graph(fused),
+                      self.example_inputs, self.skeleton.weights, translations, stack=self._text_stack(fused)),
+            GraphSpec("vision", VISION_INPUTS, VISION_OUTPUTS, VISION_AXES, vision_shapes,
+                      lambda: self.vision_graph(fused), self.vision_example_inputs, self.skeleton.weights,
+                      translations, stack=self._vision_stack(fused, vision_shapes)),
         ]
+
+    def _text_stack(self, fused: bool) -> Stack:
+        """The decoder as a front, a block for each kind of layer (short convolution, attention) stamped once a
+        layer, and a head."""
+        graph = self.graph(fused)
+        translations = TRANSLATIONS if fused else None
+        ids, media, media_index, last, labels, states = self.example_inputs()
+        layout = self.layout
+        past_names, new_names = layout.names("past"), layout.names("new")
+        first = next(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
+        grouped, names_of, news_of, at = [], [], [], 0
+        for block in graph.blocks:
+            take = 2 if block.attention else 1
+            grouped.append(states[at:at + take])
+            names_of.append(past_names[at:at + take])
+            news_of.append(new_names[at:at + take])
+            at += take
+        dynamic = torch.export.Dim.DYNAMIC
+        past = torch.export.Dim("past", max=1 << 24)
+        front_inputs = ["input_ids", "media_embeds", "media_index", names_of[first][0]]
+        front_example = (ids, media, media_index, grouped[first][0])
+        made = dict(zip(D1TextFront.outputs, meta_outputs(graph.front, front_example)))
+        media_rows = torch.export.Dim("media", max=1 << 24)
+        front = GraphSpec("text.front", front_inputs, D1TextFront.outputs, {},
+                          ({0: dynamic, 1: dynamic}, {0: media_rows}, {0: media_rows}, {2: past}),
+                          lambda: self.graph(fused).front, lambda: front_example, self.skeleton.weights, translations)
+        axes = {"hidden": {0: dynamic, 1: dynamic}, "update": {0: dynamic, 1: dynamic}, "cos": {0: dynamic},
+                "sin": {0: dynamic}, "causal": {0: dynamic, 1: dynamic}, "past_key": {2: past},
+                "past_value": {2: past}, "past_conv": None}
+        blocks: dict[str, GraphSpec] = {}
+        layers: list[Layer] = []
+        for index, block in enumerate(graph.blocks):
+            kind = "attention" if block.attention else "conv"
+            state_names = ["past_key", "past_value"] if block.attention else ["past_conv"]
+            if kind not in blocks:
+                values = {**made, **dict(zip(state_names, grouped[index]))}
+                blocks[kind] = GraphSpec(
+                    f"text.{kind}", block.inputs, block.outputs, {},
+                    (axes["hidden"], axes["update"], tuple(axes[name] for name in block.inputs[2:])),
+                    lambda i=index: self.graph(fused).blocks[i],
+                    lambda v=values, b=block: tuple(v[name] for name in b.inputs), self.skeleton.weights,
+                    translations)
+            layers.append(Layer(kind, lambda i=index: self.graph(fused).blocks[i],
+                                dict(zip(state_names, names_of[index])),
+                                dict(zip(block.outputs[2:], news_of[index]))))
+        head = GraphSpec("text.head", ["hidden", "update", "last_index", "label_ids"], TEXT_OUTPUTS, {},
+                         ({0: dynamic, 1: dynamic}, {0: dynamic, 1: dynamic}, {0: dynamic}, {0: dynamic}),
+                         lambda: self.graph(fused).head, lambda: (made["hidden"], made["update"], last, labels),
+                         self.skeleton.weights, translations)
+        return Stack(front, blocks, layers, head, {"next_hidden": "hidden", "next_update": "update"})
+
+    def _vision_stack(self, fused: bool, shapes: dict[str, Any]) -> Stack:
+        """The tower as its patch embedding, one encoder layer (stamped once a layer) and the post-norm with the
+        projector."""
+        graph = self.vision_graph(fused)
+        translations = TRANSLATIONS if fused else None
+        example = self.vision_example_inputs()
+        (hidden,) = meta_outputs(graph.front, example)
+        dynamic = torch.export.Dim.DYNAMIC
+        rows = {"hidden": {0: dynamic, 1: dynamic}}
+        front = GraphSpec("vision.front", VISION_INPUTS, ["hidden"], VISION_AXES, shapes,
+                          lambda: self.vision_graph(fused).front, lambda: example, self.skeleton.weights,
+                          translations)
+        block = GraphSpec("vision.block", ["hidden"], ["next_hidden"], {}, rows,
+                          lambda: self.vision_graph(fused).blocks[0], lambda: (hidden,), self.skeleton.weights,
+                          translations)
+        head = GraphSpec("vision.head", ["hidden"], VISION_OUTPUTS, {}, rows, lambda: self.vision_graph(fused).head,
+                         lambda: (hidden,), self.skeleton.weights, translations)
+        layers = [Layer("block", lambda i=index: self.vision_graph(fused).blocks[i])
+                  for index in range(len(graph.blocks))]
+        return Stack(front, {"block": block}, layers, head, {"next_hidden": "hidden"})
 
     def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
         def text(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
@@ -226,9 +318,7 @@ class D1ExportConfig(ExportConfig):
         # converted from the fused one on the fused rungs (each layer's attention one MultiHeadAttention node read
         # in fp16, its GELU one FastGelu node) and from the portable one on the others. Every third gate request
         # has images, so the gate runs both.
-        text, vision = self.graphs()
-        fused = {"text": replace(text, module=lambda: self.graph(fused=True), translations=TRANSLATIONS),
-                 "vision": replace(vision, module=lambda: self.vision_graph(fused=True), translations=TRANSLATIONS)}
+        fused = dict(zip(("text", "vision"), self.graphs(fused=True)))
         return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
                           lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)),
                           fused=fused, graph_precisions={"vision": FLOAT16_MATMULS})

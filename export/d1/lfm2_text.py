@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fused_ops import past_attention, row_blocks, skip_rms_norm
+from ..fused_ops import past_attention, skip_rms_norm
 from ..short_conv import shifted_conv_rows
 
 
@@ -93,14 +93,13 @@ class Lfm2ConvBlock(nn.Module):
         super().__init__()
         self.conv = conv
         self.fused = fused
-        if fused:
-            if conv.in_proj.bias is not None:
-                raise ValueError("the fused LFM2 convolution block takes no in-projection bias")
-            self.in_weights = row_blocks(conv.in_proj.weight, [conv.in_proj.out_features // 3] * 3)
+        if fused and conv.in_proj.bias is not None:
+            raise ValueError("the fused LFM2 convolution block takes no in-projection bias")
 
     def forward(self, x, past_conv):
         if self.fused:
-            b, c, xx = (F.linear(x, weight) for weight in self.in_weights)
+            weights = torch.split(self.conv.in_proj.weight, self.conv.in_proj.out_features // 3)  # weights of their own
+            b, c, xx = (F.linear(x, weight) for weight in weights)
         else:
             b, c, xx = self.conv.in_proj(x).chunk(3, dim=-1)
         bx = b * xx  # [B, T, H]
@@ -113,71 +112,120 @@ class Lfm2ConvBlock(nn.Module):
         return y, window[:, window.shape[1] - taps:].transpose(1, 2)
 
 
-class D1TextGraph(nn.Module):
-    """LFM2 decoder (weights shared with transformers' `Lfm2Model`) + tied LM head log-softmax at the last token."""
+class D1TextFront(nn.Module):
+    """Embeddings with the media rows put in, the rotary tables from the past's length on (read off the first
+    attention layer's past keys), the causal mask of this call's tokens, and the first block's `update` (zeros:
+    every block sums in the same way, x + 0 being x)."""
 
-    def __init__(self, language_model, lm_head: nn.Linear, fused: bool = False):
+    outputs = ["hidden", "update", "cos", "sin", "causal"]
+
+    def __init__(self, language_model: nn.Module):
         super().__init__()
-        self.lm = language_model
-        self.lm_head = lm_head  # tied to embed_tokens in LFM2: the graph then holds the table once
-        self.fused = fused
-        config = language_model.config
-        self.eps = config.norm_eps
+        self.embed_tokens = language_model.embed_tokens
         self.register_buffer("inv_freq", language_model.rotary_emb.inv_freq.detach().clone(), persistent=False)
-        self.blocks = nn.ModuleList(
-            Lfm2AttentionBlock(layer.self_attn, self.eps, fused) if layer.is_attention_layer
-            else Lfm2ConvBlock(layer.conv, fused) for layer in language_model.layers)
 
-    def forward(self, input_ids, media_embeds, media_index, last_index, label_ids, states):
+    def forward(self, input_ids, media_embeds, media_index, first_past_key):
         batch, length = input_ids.shape
-        hidden = self.lm.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
         width = hidden.shape[-1]
         hidden = hidden.reshape(-1, width).index_put((media_index,), media_embeds).view(batch, length, width)
-        first_key = next(s for s, b in zip(self._split(states), self.blocks) if isinstance(b, Lfm2AttentionBlock))[0]
-        past_len = first_key.shape[2]
+        past_len = first_past_key.shape[2]
         steps = torch.arange(length, device=input_ids.device)
         # Positions from a range that starts at the past's length: a shape on the host, read by Range as such. Added
         # to the steps instead, it was copied to the device each call, which keeps onnxruntime from capturing.
         positions = torch.arange(past_len, past_len + length, device=input_ids.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
         causal = torch.where(steps[None, :] <= steps[:, None], 0.0, torch.finfo(torch.float32).min)
-        new_states = []
-        update = None
-        for layer, block, past in zip(self.lm.layers, self.blocks, self._split(states)):
-            normed, hidden = self._add_norm(hidden, update, layer.operator_norm.weight)
-            if isinstance(block, Lfm2AttentionBlock):
-                out, key, value = block(normed, cos, sin, causal, *past)
-                new_states += [key, value]
-            else:
-                out, window = block(normed, *past)
-                new_states.append(window)
-            ff = layer.feed_forward
-            normed, hidden = self._add_norm(hidden, out, layer.ffn_norm.weight)
-            update = ff.w2(F.silu(ff.w1(normed)) * ff.w3(normed))
-        hidden = hidden + update
-        last = hidden[torch.arange(batch, device=hidden.device), last_index]
-        last = _rms_norm(last, self.lm.embedding_norm.weight, self.eps)
-        logits = self.lm_head(last)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        return (logprobs[:, label_ids], torch.argmax(logits, dim=-1), *new_states)
+        return hidden, torch.zeros_like(hidden), emb.cos(), emb.sin(), causal
 
-    def _add_norm(self, hidden: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the norm of the residual stream after `update` is added, the stream); fused: one node for both."""
-        if update is None:
-            return _rms_norm(hidden, weight, self.eps), hidden
-        if self.fused:
-            return skip_rms_norm(hidden, update, weight, self.eps)
+
+class D1TextBlock(nn.Module):
+    """One decoder layer: the residual stream and what the last block adds to it -> the same after this layer,
+    and the layer's new state (an attention layer's keys and values, a convolution layer's window)."""
+
+    def __init__(self, layer: nn.Module, mixer: nn.Module, eps: float, fused: bool):
+        super().__init__()
+        self.layer, self.mixer, self.eps, self.fused = layer, mixer, eps, fused
+
+    @property
+    def attention(self) -> bool:
+        return isinstance(self.mixer, Lfm2AttentionBlock)
+
+    @property
+    def inputs(self) -> list[str]:
+        shared = ["cos", "sin", "causal", "past_key", "past_value"] if self.attention else ["past_conv"]
+        return ["hidden", "update", *shared]
+
+    @property
+    def outputs(self) -> list[str]:
+        return ["next_hidden", "next_update", *(["new_key", "new_value"] if self.attention else ["new_conv"])]
+
+    def forward(self, hidden, update, *rest):
+        layer = self.layer
+        normed, hidden = _add_norm(hidden, update, layer.operator_norm.weight, self.eps, self.fused)
+        out, *new = self.mixer(normed, *rest)
+        ff = layer.feed_forward
+        normed, hidden = _add_norm(hidden, out, layer.ffn_norm.weight, self.eps, self.fused)
+        return (hidden, ff.w2(F.silu(ff.w1(normed)) * ff.w3(normed)), *new)
+
+
+class D1TextHead(nn.Module):
+    """The last block's update summed in, each row's token at `last_index` normed and read through the LM head:
+    the full vocabulary's log-softmax at `label_ids`, and the greedy token."""
+
+    def __init__(self, language_model: nn.Module, lm_head: nn.Linear, eps: float):
+        super().__init__()
+        self.norm, self.lm_head, self.eps = language_model.embedding_norm, lm_head, eps
+
+    def forward(self, hidden, update, last_index, label_ids):
         hidden = hidden + update
-        return _rms_norm(hidden, weight, self.eps), hidden
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]
+        logits = self.lm_head(_rms_norm(last, self.norm.weight, self.eps))
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return logprobs[:, label_ids], torch.argmax(logits, dim=-1)
+
+
+def _add_norm(hidden: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the norm of the residual stream after `update` is added, the stream); fused: one node for both."""
+    if fused:
+        return skip_rms_norm(hidden, update, weight, eps)
+    hidden = hidden + update
+    return _rms_norm(hidden, weight, eps), hidden
+
+
+class D1TextGraph(nn.Module):
+    """LFM2 decoder (weights shared with transformers' `Lfm2Model`) + tied LM head log-softmax at the last token: a
+    front, one block a layer and a head (export/stack.py traces one block of each kind and stamps it)."""
+
+    def __init__(self, language_model, lm_head: nn.Linear, fused: bool = False):
+        super().__init__()
+        eps = language_model.config.norm_eps
+        self.front = D1TextFront(language_model)
+        self.blocks = nn.ModuleList(
+            D1TextBlock(layer, Lfm2AttentionBlock(layer.self_attn, eps, fused) if layer.is_attention_layer
+                        else Lfm2ConvBlock(layer.conv, fused), eps, fused) for layer in language_model.layers)
+        # The LM head is tied to embed_tokens in LFM2: the graph then holds the table once.
+        self.head = D1TextHead(language_model, lm_head, eps)
+
+    def forward(self, input_ids, media_embeds, media_index, last_index, label_ids, states):
+        grouped = self._split(states)
+        first_key = next(past for past, block in zip(grouped, self.blocks) if block.attention)[0]
+        made = dict(zip(D1TextFront.outputs, self.front(input_ids, media_embeds, media_index, first_key)))
+        hidden, update = made["hidden"], made["update"]
+        new_states = []
+        for block, past in zip(self.blocks, grouped):
+            shared = [made[name] for name in block.inputs[2:] if not name.startswith("past_")]
+            hidden, update, *new = block(hidden, update, *shared, *past)
+            new_states += new
+        return (*self.head(hidden, update, last_index, label_ids), *new_states)
 
     def _split(self, states):
         """The flat state tuple regrouped per layer: (key, value) for attention layers, (conv,) for conv layers."""
         grouped, i = [], 0
         for block in self.blocks:
-            take = 2 if isinstance(block, Lfm2AttentionBlock) else 1
+            take = 2 if block.attention else 1
             grouped.append(tuple(states[i:i + take]))
             i += take
         return grouped

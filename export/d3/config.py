@@ -7,7 +7,6 @@ readout, spec 4.13/4.14), the exportable graph, its inputs and their dynamic axe
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +21,12 @@ from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
 from ..half_precision import FLOAT16_MATMULS
+from ..skeleton import Skeleton
+from ..stack import Layer, Stack, meta_outputs
 from ..parity import check_parity, sample_prompts, worst_vision_sample
 from .fused_ops import TRANSLATIONS
-from .qwen3_5_text import D3TextGraph
-from .qwen3_5_vision import D3VisionGraph
+from .qwen3_5_text import D3TextGraph, GatedDeltaNetLayer
+from .qwen3_5_vision import D3VisionBlock, D3VisionFront, D3VisionGraph
 
 TEXT_INPUTS = ["input_ids", "attention_mask", "position_ids", "media_embeds", "media_index"]
 TEXT_OUTPUTS = ["code_logits"]
@@ -53,31 +54,46 @@ GATE_REQUESTS = 70  # three questions each: the half-precision form is gated on 
 # Every fifth of them carries images or a short video (42 questions), so the gate runs the form's vision graph; few
 # enough that the gate stays a few seconds on the tiny test model.
 GATE_MEDIA_EVERY = 5
+READOUT_FILE = "readout.safetensors"
 
 
 class D3ExportConfig(ExportConfig):
     family = "d3"
 
     def __init__(self, checkpoint: Path):
-        from safetensors.torch import load_file
         from transformers import AutoConfig, Qwen3_5Model
 
         self.checkpoint = checkpoint
         self.decision_config = DecisionConfig.load(checkpoint / "decision_config.json")
         config = AutoConfig.from_pretrained(checkpoint)
         self.text_config = config.text_config
-        # fp32 reference and graph; eager attention so that a dict of explicit masks is honoured.
-        self.model = Qwen3_5Model.from_pretrained(checkpoint, dtype=torch.float32,
-                                                  attn_implementation="eager").eval()
-        readout = load_file(str(checkpoint / "readout.safetensors"))
+        # Eager attention, so that a dict of explicit masks is honoured (the reference's bidirectional mode).
+        self.skeleton = Skeleton.build(Qwen3_5Model, config, checkpoint, attn_implementation="eager")
+        readout = self.skeleton.tensors.files.get(READOUT_FILE, {})
         if "weight" not in readout:
-            raise ValueError("readout.safetensors must hold a tensor named 'weight'")
-        self.readout_weight = readout["weight"].float()
-        self.readout_bias = readout["bias"].float() if "bias" in readout else None
+            raise ValueError(f"{READOUT_FILE} must hold a tensor named 'weight'")
         expected = (len(self.decision_config.codes), self.text_config.hidden_size)
-        if tuple(self.readout_weight.shape) != expected:
-            raise ValueError(f"readout weight has shape {tuple(self.readout_weight.shape)}; "
+        if tuple(readout["weight"].shape) != expected:
+            raise ValueError(f"readout weight has shape {tuple(readout['weight'].shape)}; "
                              f"decision_config.json and config.json need {expected}")
+        self.readout_weight = self.skeleton.meta_tensor(READOUT_FILE, "weight")
+        self.readout_bias = self.skeleton.meta_tensor(READOUT_FILE, "bias") if "bias" in readout else None
+
+    def load_reference(self) -> Any:
+        from transformers import Qwen3_5Model
+
+        return Qwen3_5Model.from_pretrained(self.checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+
+    def readout(self, name: str) -> torch.Tensor | None:
+        """The readout's `weight` or `bias` values (fp32), for the reference."""
+        if name not in self.skeleton.tensors.files[READOUT_FILE]:
+            return None
+        return torch.from_numpy(self.skeleton.tensors.read(READOUT_FILE, name).copy())
+
+    @property
+    def meta(self) -> Any:
+        """The skeleton's `Qwen3_5Model` (parameters on meta): the graphs' structure."""
+        return self.skeleton.model
 
     @property
     def max_model_len(self) -> int:
@@ -92,27 +108,31 @@ class D3ExportConfig(ExportConfig):
         """The state the causal text graph carries between calls (prefix reuse); None in the bidirectional mode."""
         if self.attention_mode != "causal":
             return None
-        layers = self.model.language_model.layers
+        layers = self.meta.language_model.layers
         linear = next(layer.linear_attn for layer in layers if layer.block_type == LINEAR)
         attention = next(layer.self_attn for layer in layers if layer.block_type != LINEAR)
         return D3StateLayout(tuple(layer.block_type for layer in layers), int(self.text_config.num_key_value_heads),
                              int(attention.head_dim), int(linear.conv_dim), int(linear.conv_kernel_size) - 1,
                              int(linear.num_v_heads), int(linear.head_k_dim), int(linear.head_v_dim))
 
-    def graph(self, fused: bool = False) -> D3TextGraph:
-        return D3TextGraph(self.model, self.readout_weight, self.readout_bias, self.attention_mode,
-                           fused).eval()
+    def graph(self, fused: bool = False, reference: bool = False) -> D3TextGraph:
+        """The text graph's module: on the skeleton (what export traces), or with `reference` on the torch model's
+        weights (to run it in torch)."""
+        if reference:
+            return D3TextGraph(self.model, self.readout("weight"), self.readout("bias"), self.attention_mode,
+                               fused).eval()
+        return D3TextGraph(self.meta, self.readout_weight, self.readout_bias, self.attention_mode, fused).eval()
 
     @property
     def vision_config(self):
-        return self.model.config.vision_config
+        return self.meta.config.vision_config
 
-    def vision_graph(self, fused: bool = False) -> D3VisionGraph:
-        return D3VisionGraph(self.model.visual, fused).eval()
+    def vision_graph(self, fused: bool = False, reference: bool = False) -> D3VisionGraph:
+        return D3VisionGraph((self.model if reference else self.meta).visual, fused).eval()
 
     def vision_example_inputs(self) -> tuple[torch.Tensor, ...]:
         h, w, segments = 16, 20, 2  # two segments: an example of one would fix the count at 1
-        grid = vision_inputs(h, w, self.model.visual.num_grid_per_side, self.vision_config.spatial_merge_size,
+        grid = vision_inputs(h, w, self.meta.visual.num_grid_per_side, self.vision_config.spatial_merge_size,
                              segments)
         width = self.vision_config.in_channels * self.vision_config.temporal_patch_size * self.vision_config.patch_size**2
         return (torch.randn(segments * h * w, width), *(torch.from_numpy(grid[name]) for name in VISION_INPUTS[1:]))
@@ -135,9 +155,9 @@ class D3ExportConfig(ExportConfig):
         position_ids = torch.from_numpy(np.ascontiguousarray(positions)).view(3, 1, -1).to(device)
         hidden = self.model(position_ids=position_ids, **inputs).last_hidden_state[0, -1].float()
         with torch.autocast(device.type, enabled=False):  # the readout in fp32, whatever precision the model ran at
-            logits = hidden @ self.readout_weight.to(device).t()
+            logits = hidden @ self.readout("weight").to(device).t()
             if self.readout_bias is not None:
-                logits = logits + self.readout_bias.to(device)
+                logits = logits + self.readout("bias").to(device)
         return logits.cpu().numpy()
 
     @torch.no_grad()
@@ -184,7 +204,8 @@ class D3ExportConfig(ExportConfig):
         return self._read_last_token(len(token_ids), positions, inputs_embeds=embeds)
 
     # -- the declaration the pipeline reads -------------------------------------------------------------------
-    def graphs(self) -> list[GraphSpec]:
+    def graphs(self, fused: bool = False) -> list[GraphSpec]:
+        """The text and vision graphs; `fused`: as the CUDA forms write them, with onnxruntime's fused ops."""
         # One named dimension ties media_embeds and media_index together; batch and sequence stay DYNAMIC
         # (named dims would make export prove guards on the chunk arithmetic that it cannot).
         dims = {"batch": torch.export.Dim.DYNAMIC, "sequence": torch.export.Dim.DYNAMIC,
@@ -199,12 +220,78 @@ class D3ExportConfig(ExportConfig):
             text_shapes["states"] = tuple({2: past} if name in growing else None for name in names)
             inputs, outputs = inputs + names, outputs + layout.names("new")
             axes = {**axes, **{name: {2: "past"} for name in growing}}
-        return [
-            GraphSpec("text", inputs, outputs, axes, text_shapes, self.graph, self.example_inputs),
-            GraphSpec("vision", VISION_INPUTS, VISION_OUTPUTS, VISION_AXES,
-                      {name: {0: torch.export.Dim.DYNAMIC} for name in VISION_INPUTS}, self.vision_graph,
-                      self.vision_example_inputs),
-        ]
+        translations = TRANSLATIONS if fused else None
+        text = GraphSpec("text", inputs, outputs, axes, text_shapes, lambda: self.graph(fused), self.example_inputs,
+                         self.skeleton.weights, translations, stack=self._text_stack(fused, dims))
+        vision_shapes = {name: {0: torch.export.Dim.DYNAMIC} for name in VISION_INPUTS}
+        vision = GraphSpec("vision", VISION_INPUTS, VISION_OUTPUTS, VISION_AXES, vision_shapes,
+                           lambda: self.vision_graph(fused), self.vision_example_inputs, self.skeleton.weights,
+                           translations, stack=self._vision_stack(fused, vision_shapes))
+        return [text, vision]
+
+    def _vision_stack(self, fused: bool, shapes: dict[str, Any]) -> Stack:
+        """The vision tower as its patch embedding, one block (stamped once a block) and the merger."""
+        graph = self.vision_graph(fused)
+        translations = TRANSLATIONS if fused else None
+        example = self.vision_example_inputs()
+        hidden, cos, sin = meta_outputs(graph.front, example)
+        dynamic = torch.export.Dim.DYNAMIC
+        front = GraphSpec("vision.front", VISION_INPUTS, D3VisionFront.outputs, VISION_AXES, shapes,
+                          lambda: self.vision_graph(fused).front, lambda: example, self.skeleton.weights,
+                          translations)
+        block = GraphSpec("vision.block", D3VisionBlock.inputs, D3VisionBlock.outputs, {},
+                          {"hidden": {0: dynamic}, "cos": {0: dynamic}, "sin": {0: dynamic}, "segments": {0: dynamic}},
+                          lambda: self.vision_graph(fused).blocks[0], lambda: (hidden, cos, sin, example[4]),
+                          self.skeleton.weights, translations)
+        head = GraphSpec("vision.head", ["hidden"], VISION_OUTPUTS, {}, {"hidden": {0: dynamic}},
+                         lambda: self.vision_graph(fused).head, lambda: (hidden,), self.skeleton.weights, translations)
+        layers = [Layer("block", lambda i=index: self.vision_graph(fused).blocks[i])
+                  for index in range(len(graph.blocks))]
+        return Stack(front, {"block": block}, layers, head, {"next_hidden": "hidden"})
+
+    def _text_stack(self, fused: bool, dims: dict[str, Any]) -> Stack:
+        """The text graph as a front, a block for each kind of layer (Gated DeltaNet, full attention) stamped once a
+        layer, and a head."""
+        graph = self.graph(fused)
+        translations = TRANSLATIONS if fused else None
+        example = self.example_inputs()
+        front_outputs = meta_outputs(graph.front, example[:5])
+        made = dict(zip(graph.front.outputs, front_outputs))
+        made["attention_mask"] = example[1]
+        dynamic = torch.export.Dim.DYNAMIC
+        axes = {"hidden": {0: dynamic, 1: dynamic}, "update": {0: dynamic, 1: dynamic},
+                "attention_mask": {0: dynamic, 1: dynamic}, "cos": {0: dynamic, 2: dynamic},
+                "sin": {0: dynamic, 2: dynamic}, "additive_mask": {0: dynamic, 3: dynamic}, "lengths": {0: dynamic}}
+        front = GraphSpec("text.front", TEXT_INPUTS, graph.front.outputs, TEXT_AXES,
+                          {name: {axis: dims[role] for axis, role in roles.items()} for name, roles in TEXT_AXES.items()},
+                          lambda: self.graph(fused).front, lambda: example[:5], self.skeleton.weights, translations)
+        layout = self.state_layout
+        states = example[5] if layout is not None else ()
+        past_names, new_names = (layout.names("past"), layout.names("new")) if layout is not None else ([], [])
+        past = torch.export.Dim("past", max=1 << 24)
+        blocks: dict[str, GraphSpec] = {}
+        layers: list[Layer] = []
+        for index, block in enumerate(graph.blocks):
+            kind = "linear" if isinstance(block.mixer, GatedDeltaNetLayer) else "full"
+            state = {}
+            if layout is not None:
+                state = {"past_a": states[2 * index], "past_b": states[2 * index + 1]}
+            if kind not in blocks:
+                values = {**made, **state}
+                block_axes = {**axes, **({"past_a": {2: past}, "past_b": {2: past}} if kind == "full" else
+                                         {"past_a": None, "past_b": None})}
+                blocks[kind] = GraphSpec(
+                    f"text.{kind}", block.inputs, block.outputs, {},  # forward(hidden, update, *rest)
+                    (block_axes["hidden"], block_axes["update"], tuple(block_axes[n] for n in block.inputs[2:])),
+                    lambda i=index: self.graph(fused).blocks[i], lambda v=values, b=block: tuple(v[n] for n in b.inputs),
+                    self.skeleton.weights, translations)
+            layers.append(Layer(kind, lambda i=index: self.graph(fused).blocks[i],
+                                dict(zip(("past_a", "past_b"), past_names[2 * index:2 * index + 2])),
+                                dict(zip(("new_a", "new_b"), new_names[2 * index:2 * index + 2]))))
+        head = GraphSpec("text.head", ["hidden", "update", "attention_mask"], TEXT_OUTPUTS, {},
+                         ({0: dynamic, 1: dynamic},) * 3, lambda: self.graph(fused).head,
+                         lambda: (made["hidden"], made["update"], example[1]), self.skeleton.weights, translations)
+        return Stack(front, blocks, layers, head, {"next_hidden": "hidden", "next_update": "update"})
 
     def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
         def text(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
@@ -257,7 +344,7 @@ class D3ExportConfig(ExportConfig):
             rows = []
             for h, w, segments in VISION_PARITY_GRIDS:
                 pixels = rng.standard_normal((segments * h * w, width)).astype(np.float32)
-                feeds = {"pixel_values": pixels, **vision_inputs(h, w, self.model.visual.num_grid_per_side,
+                feeds = {"pixel_values": pixels, **vision_inputs(h, w, self.meta.visual.num_grid_per_side,
                                                                  config.spatial_merge_size, segments)}
                 reference = np.concatenate([self.reference_vision(part, h, w)
                                             for part in np.split(pixels, segments)])
@@ -278,9 +365,7 @@ class D3ExportConfig(ExportConfig):
         # matrix products in fp16 on every rung (autocast's split: its norms and residual sums keep fp32's range),
         # converted from the fused one on the fused rungs (each block's attention one MultiHeadAttention node read
         # in fp16) and from the portable one on the others. The gate's media requests run it.
-        text, vision = self.graphs()
-        fused = {"text": replace(text, module=lambda: self.graph(fused=True), translations=TRANSLATIONS),
-                 "vision": replace(vision, module=lambda: self.vision_graph(fused=True), translations=TRANSLATIONS)}
+        fused = dict(zip(("text", "vision"), self.graphs(fused=True)))
         requests = parity_requests(GATE_REQUESTS, GATE_MEDIA_EVERY)
         return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
                           lambda service: question_pairs(service, self, requests),
@@ -296,7 +381,7 @@ class D3ExportConfig(ExportConfig):
                   "vision": {**bits["image_processor"], "patch_size": vision.patch_size,
                              "temporal_patch_size": vision.temporal_patch_size,
                              "merge_size": vision.spatial_merge_size,
-                             "position_grid_side": int(self.model.visual.num_grid_per_side)}}
+                             "position_grid_side": int(self.meta.visual.num_grid_per_side)}}
         return RuntimeFiles(bits["tokenizer_class"], bits["special_tokens"], fields)
 
 def write_runtime_files(checkpoint: Path, out: Path) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..short_conv import shifted_conv
 from .delta_rule import chunk_gated_delta_rule
-from ..fused_ops import past_attention, rms, row_blocks, skip_rms_norm
+from ..fused_ops import past_attention, rms, skip_rms_norm
 from .fused_ops import (causal_conv_silu, causal_conv_silu_past, gated_delta_rule, gated_delta_rule_past,
                         gated_rms_norm, padded_attention)
 
@@ -54,12 +54,8 @@ class GatedDeltaNetLayer(nn.Module):
         self.fused = fused
         self.sizes = [hf.key_dim, hf.key_dim, hf.value_dim]  # query, key, value in the joint projection
         if fused:
-            # One product and one convolution each for query, key and value, on row slices of the joint weights:
-            # the node reads them apart, and a Split of the joint output was one more copy of it a layer.
             if hf.in_proj_qkv.bias is not None or hf.conv1d.bias is not None:
                 raise ValueError("the fused Gated DeltaNet layer takes no in-projection or convolution bias")
-            self.qkv_weights = row_blocks(hf.in_proj_qkv.weight, self.sizes)
-            self.conv_weights = row_blocks(hf.conv1d.weight, self.sizes)
 
     def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor, past: tuple[torch.Tensor, ...] | None = None):
         """The layer's output; with `past` (the convolution's last K - 1 inputs [1, C, K - 1] and the delta rule's
@@ -76,12 +72,16 @@ class GatedDeltaNetLayer(nn.Module):
         batch, length, _ = hidden.shape
         taps = hf.conv_kernel_size - 1
         new_conv = None
+        if self.fused:
+            # One product and one convolution each for query, key and value, on row slices of the joint weights
+            # (weights of their own in the graph): the node reads them apart, and a Split of the joint output was
+            # one more copy of it a layer.
+            weights = zip(torch.split(hf.in_proj_qkv.weight, self.sizes), torch.split(hf.conv1d.weight, self.sizes))
         if self.fused and past is None:
-            query, key, value = (causal_conv_silu(F.linear(hidden, weight), conv)
-                                 for weight, conv in zip(self.qkv_weights, self.conv_weights))
+            query, key, value = (causal_conv_silu(F.linear(hidden, weight), conv) for weight, conv in weights)
         elif self.fused:
-            parts = [causal_conv_silu_past(F.linear(hidden, weight), conv, part) for weight, conv, part
-                     in zip(self.qkv_weights, self.conv_weights, torch.split(past[0], self.sizes, dim=1))]
+            parts = [causal_conv_silu_past(F.linear(hidden, weight), conv, part) for (weight, conv), part
+                     in zip(weights, torch.split(past[0], self.sizes, dim=1))]
             query, key, value = (out for out, _ in parts)
             new_conv = torch.cat([window for _, window in parts], dim=1)
         else:
@@ -133,13 +133,8 @@ class FullAttentionLayer(nn.Module):
         self.hf = hf
         self.fused = fused
         self.causal = causal
-        if fused:
-            # The query and its output gate as two products (each head's rows are [query; gate]), not one split.
-            if hf.q_proj.bias is not None:
-                raise ValueError("the fused attention layer takes no query projection bias")
-            heads = hf.q_proj.weight.view(-1, 2, hf.head_dim, hf.q_proj.weight.shape[-1])  # [H, (q, gate), D, in]
-            rows = heads.shape[0] * hf.head_dim
-            self.query_weight, self.gate_weight = row_blocks(heads.transpose(0, 1).reshape(2 * rows, -1), [rows, rows])
+        if fused and hf.q_proj.bias is not None:
+            raise ValueError("the fused attention layer takes no query projection bias")
 
     def forward(self, hidden, cos, sin, additive_mask, lengths, past=None):
         """The layer's output; with `past` (keys and values [1, KV, P, D] of the tokens before, the same for every
@@ -148,8 +143,12 @@ class FullAttentionLayer(nn.Module):
         batch, length, _ = hidden.shape
         head_dim = hf.head_dim
         if self.fused:
-            query = F.linear(hidden, self.query_weight).view(batch, length, -1, head_dim)
-            gate = F.linear(hidden, self.gate_weight)
+            # The query and its output gate as two products (each head's rows are [query; gate]), not one split.
+            heads = hf.q_proj.weight.view(-1, 2, head_dim, hf.q_proj.weight.shape[-1])  # [H, (q, gate), D, in]
+            rows = heads.shape[0] * head_dim
+            query_weight, gate_weight = torch.split(heads.transpose(0, 1).reshape(2 * rows, -1), [rows, rows])
+            query = F.linear(hidden, query_weight).view(batch, length, -1, head_dim)
+            gate = F.linear(hidden, gate_weight)
         else:
             query, gate = torch.chunk(hf.q_proj(hidden).view(batch, length, -1, head_dim * 2), 2, dim=-1)
             gate = gate.reshape(batch, length, -1)
@@ -203,29 +202,24 @@ def _rotary(x, cos, sin):
     return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
-class D3TextGraph(nn.Module):
-    """Qwen3.5 text backbone (weights shared with a transformers `Qwen3_5Model`) + readout at the last token."""
+def _add_norm(hidden: torch.Tensor, update: torch.Tensor, norm: nn.Module, fused: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the norm of the residual stream after `update` is added, the stream); fused: one node for both."""
+    if fused:
+        normed, hidden = skip_rms_norm(hidden.float(), update.float(), 1.0 + norm.weight.float(), norm.eps)
+        return normed.to(update.dtype), hidden.to(update.dtype)
+    hidden = hidden + update
+    return _norm_1p(norm, hidden), hidden
 
-    def __init__(self, hf_model: nn.Module, readout_weight: torch.Tensor, readout_bias: torch.Tensor | None,
-                 attention_mode: str, fused: bool = False):
+
+class D3TextFront(nn.Module):
+    """Embeddings with the media rows put in, the rotary tables, the additive mask where the blocks read one, each
+    row's length, and the first block's `update`: zeros, so that every block sums in the same way (x + 0 is x)."""
+
+    def __init__(self, text: nn.Module, bidirectional: bool, additive_mask: bool):
         super().__init__()
-        if attention_mode not in ("causal", "noncausal_full_attention"):
-            raise ValueError(f"unsupported attention_mode {attention_mode!r}")
-        text = hf_model.language_model
-        self.config = text.config
         self.embed_tokens = text.embed_tokens
-        self.final_norm = text.norm
-        self.bidirectional = attention_mode == "noncausal_full_attention"
-        self.reads_past = not self.bidirectional
-        self.fused = fused
-        self.layers = nn.ModuleList()
-        self.mixers = nn.ModuleList()
-        for layer in text.layers:
-            self.layers.append(layer)
-            if layer.block_type == "linear_attention":
-                self.mixers.append(GatedDeltaNetLayer(layer.linear_attn, fused))
-            else:
-                self.mixers.append(FullAttentionLayer(layer.self_attn, fused, not self.bidirectional))
+        self.bidirectional, self.additive_mask = bidirectional, additive_mask
         rotary = text.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.float().clone(), persistent=False)
         # Interleaved M-RoPE: frequency j reads the T, H or W position (spec 4.11).
@@ -234,9 +228,22 @@ class D3TextGraph(nn.Module):
             channel[slice(offset, rotary.mrope_section[axis] * 3, 3)] = axis
         self.register_buffer("freq_channel", channel, persistent=False)
         self.attention_scaling = float(rotary.attention_scaling)
-        self.register_buffer("readout_weight", readout_weight.float().clone(), persistent=False)
-        self.register_buffer("readout_bias", None if readout_bias is None else readout_bias.float().clone(),
-                             persistent=False)
+
+    @property
+    def outputs(self) -> list[str]:
+        return ["hidden", "update", "cos", "sin", *(["additive_mask"] if self.additive_mask else []), "lengths"]
+
+    def forward(self, input_ids, attention_mask, position_ids, media_embeds, media_index):
+        hidden = self.embed_tokens(input_ids)
+        # Image/video embeddings replace the placeholder tokens' rows (flat index into batch x sequence).
+        batch, length, width = hidden.shape
+        hidden = hidden.reshape(-1, width).index_put((media_index,), media_embeds.to(hidden.dtype))
+        hidden = hidden.reshape(batch, length, width)
+        cos, sin = self._rope(position_ids, hidden.dtype)
+        out = (hidden, torch.zeros_like(hidden), cos, sin)
+        if self.additive_mask:
+            out += (self._attention_mask(attention_mask, hidden.dtype),)
+        return (*out, attention_mask.sum(dim=1))
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         freqs = position_ids[..., None].float() * self.inv_freq  # [3, B, L, F]
@@ -256,54 +263,98 @@ class D3TextGraph(nn.Module):
         zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
         return torch.where(keys, zero, torch.finfo(dtype).min)
 
-    def hidden_states(self, input_ids, attention_mask, position_ids, media_embeds, media_index, states=()):
-        """The final norm's output [B, L, hidden], and the new state of every layer (`states`: the past's, in the
-        graph's order; empty in the bidirectional mode)."""
-        hidden = self.embed_tokens(input_ids)
-        # Image/video embeddings replace the placeholder tokens' rows (flat index into batch x sequence).
-        batch, length, width = hidden.shape
-        hidden = hidden.reshape(-1, width).index_put((media_index,), media_embeds.to(hidden.dtype))
-        hidden = hidden.reshape(batch, length, width)
-        dtype = hidden.dtype
-        cos, sin = self._rope(position_ids, dtype)
-        # The fused layers bound each row by its length; the portable ones add the mask to their scores (the causal
-        # mode builds its own over the past).
-        additive = None if self.fused or self.reads_past else self._attention_mask(attention_mask, dtype)
-        lengths = attention_mask.sum(dim=1)
-        update = None  # what the last block adds to the residual stream, summed in by the next norm
-        pasts = iter(zip(states[::2], states[1::2]))  # two a layer, of either kind
-        new_states: list[torch.Tensor] = []
-        for layer, mixer in zip(self.layers, self.mixers):
-            normed, hidden = self._add_norm(hidden, update, layer.input_layernorm)
-            past = next(pasts) if self.reads_past else None
-            if isinstance(mixer, GatedDeltaNetLayer):
-                mixed = mixer(normed, attention_mask, past)
-            else:
-                mixed = mixer(normed, cos, sin, additive, lengths, past)
-            if past is not None:
-                mixed, new = mixed
-                new_states += new
-            normed, hidden = self._add_norm(hidden, mixed, layer.post_attention_layernorm)
-            update = layer.mlp(normed)
-        return self._add_norm(hidden, update, self.final_norm)[0], new_states
 
-    def _add_norm(self, hidden: torch.Tensor, update: torch.Tensor | None, norm: nn.Module
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the norm of the residual stream after `update` is added, the stream); fused: one node for both."""
-        if update is None:
-            return _norm_1p(norm, hidden), hidden
-        if self.fused:
-            normed, hidden = skip_rms_norm(hidden.float(), update.float(), 1.0 + norm.weight.float(), norm.eps)
-            return normed.to(update.dtype), hidden.to(update.dtype)
-        hidden = hidden + update
-        return _norm_1p(norm, hidden), hidden
+class D3TextBlock(nn.Module):
+    """One decoder layer: the residual stream and what the last block adds to it (`update`, summed in by this
+    block's first norm) -> the same after this layer. The mixer reads what the front made (`inputs` names it)
+    and, in causal mode, its past state (two tensors), whose new values it returns after the stream."""
 
-    def forward(self, input_ids, attention_mask, position_ids, media_embeds, media_index, states=()):
-        hidden, new_states = self.hidden_states(input_ids, attention_mask, position_ids, media_embeds, media_index,
-                                                states)
+    def __init__(self, layer: nn.Module, mixer: nn.Module, fused: bool, reads_past: bool, additive_mask: bool):
+        super().__init__()
+        self.layer, self.mixer = layer, mixer
+        self.fused, self.reads_past, self.additive_mask = fused, reads_past, additive_mask
+
+    @property
+    def inputs(self) -> list[str]:
+        if isinstance(self.mixer, GatedDeltaNetLayer):
+            shared = ["attention_mask"]
+        else:
+            shared = ["cos", "sin", *(["additive_mask"] if self.additive_mask else []), "lengths"]
+        return ["hidden", "update", *shared, *(["past_a", "past_b"] if self.reads_past else [])]
+
+    @property
+    def outputs(self) -> list[str]:
+        return ["next_hidden", "next_update", *(["new_a", "new_b"] if self.reads_past else [])]
+
+    def forward(self, hidden, update, *rest):
+        normed, hidden = _add_norm(hidden, update, self.layer.input_layernorm, self.fused)
+        past = (rest[-2], rest[-1]) if self.reads_past else None
+        shared = rest[:-2] if self.reads_past else rest
+        if isinstance(self.mixer, GatedDeltaNetLayer):
+            mixed = self.mixer(normed, shared[0], past)
+        else:
+            cos, sin, *masks = shared
+            additive, lengths = (masks[0], masks[1]) if self.additive_mask else (None, masks[0])
+            mixed = self.mixer(normed, cos, sin, additive, lengths, past)
+        new = ()
+        if past is not None:
+            mixed, new = mixed
+        normed, hidden = _add_norm(hidden, mixed, self.layer.post_attention_layernorm, self.fused)
+        return (hidden, self.layer.mlp(normed), *new)
+
+
+class D3TextHead(nn.Module):
+    """The final norm of the stream and the readout at each row's last real token."""
+
+    def __init__(self, norm: nn.Module, readout_weight: torch.Tensor, readout_bias: torch.Tensor | None,
+                 fused: bool):
+        super().__init__()
+        self.norm, self.fused = norm, fused
+        self.register_buffer("readout_weight", readout_weight, persistent=False)
+        self.register_buffer("readout_bias", readout_bias, persistent=False)
+
+    def forward(self, hidden, update, attention_mask):
+        hidden = _add_norm(hidden, update, self.norm, self.fused)[0]
         last = attention_mask.sum(dim=1) - 1
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
         logits = pooled @ self.readout_weight.t()
         if self.readout_bias is not None:
             logits = logits + self.readout_bias
+        return logits
+
+
+class D3TextGraph(nn.Module):
+    """Qwen3.5 text backbone (weights shared with a transformers `Qwen3_5Model`) + readout at the last token: a
+    front, one block a layer and a head (export/stack.py traces one block of each kind and stamps it)."""
+
+    def __init__(self, hf_model: nn.Module, readout_weight: torch.Tensor, readout_bias: torch.Tensor | None,
+                 attention_mode: str, fused: bool = False):
+        super().__init__()
+        if attention_mode not in ("causal", "noncausal_full_attention"):
+            raise ValueError(f"unsupported attention_mode {attention_mode!r}")
+        text = hf_model.language_model
+        self.config = text.config
+        bidirectional = attention_mode == "noncausal_full_attention"
+        self.reads_past = not bidirectional
+        additive = not (fused or self.reads_past)  # the fused layers bound each row by its length
+        self.front = D3TextFront(text, bidirectional, additive)
+        self.blocks = nn.ModuleList()
+        for layer in text.layers:
+            mixer = (GatedDeltaNetLayer(layer.linear_attn, fused) if layer.block_type == "linear_attention"
+                     else FullAttentionLayer(layer.self_attn, fused, not bidirectional))
+            self.blocks.append(D3TextBlock(layer, mixer, fused, self.reads_past, additive))
+        self.head = D3TextHead(text.norm, readout_weight, readout_bias, fused)
+
+    def forward(self, input_ids, attention_mask, position_ids, media_embeds, media_index, states=()):
+        made = dict(zip(self.front.outputs, self.front(input_ids, attention_mask, position_ids, media_embeds,
+                                                       media_index)))
+        made["attention_mask"] = attention_mask
+        hidden, update = made["hidden"], made["update"]
+        pasts = iter(zip(states[::2], states[1::2]))  # two a layer, of either kind
+        new_states: list[torch.Tensor] = []
+        for block in self.blocks:
+            shared = [made[name] for name in block.inputs[2:] if not name.startswith("past_")]
+            hidden, update, *new = block(hidden, update, *shared, *(next(pasts) if self.reads_past else ()))
+            new_states += new
+        logits = self.head(hidden, update, attention_mask)
         return (logits, *new_states) if self.reads_past else logits

@@ -28,57 +28,89 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class D3VisionGraph(nn.Module):
-    """`fused`: each block's rotary as onnxruntime's RotaryEmbedding nodes, its attention as a MultiHeadAttention node
-    and its MLP's tanh GELU as a FastGelu node (export/d3/fused_ops.py), for the CUDA form; the portable graph writes
-    them out op by op."""
+class D3VisionFront(nn.Module):
+    """The patches' embedding with the learned positions added, and the rotary tables of the blocks."""
 
-    def __init__(self, visual: nn.Module, fused: bool = False):
+    outputs = ["hidden", "cos", "sin"]
+
+    def __init__(self, visual: nn.Module, fused: bool):
         super().__init__()
-        self.visual = visual
-        self.fused = fused
-        self.fast_gelu = fused and visual.config.hidden_act == "gelu_pytorch_tanh"
-        proj = visual.patch_embed.proj
-        self.register_buffer("patch_weight", proj.weight.detach().reshape(proj.weight.shape[0], -1).float().clone(),
-                             persistent=False)
-        self.register_buffer("patch_bias", proj.bias.detach().float().clone(), persistent=False)
+        self.patch_embed, self.pos_embed, self.fused = visual.patch_embed, visual.pos_embed, fused
         self.register_buffer("inv_freq", visual.rotary_pos_emb.inv_freq.float().clone(), persistent=False)
 
     def forward(self, pixel_values, interp_index, interp_weight, rotary_pos, segments):
-        visual = self.visual
-        hidden = pixel_values.float() @ self.patch_weight.t() + self.patch_bias
-        pos = (visual.pos_embed(interp_index).float() * interp_weight[:, :, None]).sum(1)
+        proj = self.patch_embed.proj  # a 3-D convolution whose stride is its kernel: one product a patch
+        hidden = pixel_values.float() @ proj.weight.reshape(proj.weight.shape[0], -1).t() + proj.bias
+        pos = (self.pos_embed(interp_index).float() * interp_weight[:, :, None]).sum(1)
         hidden = hidden + pos
         freqs = rotary_pos[..., None].float() * self.inv_freq  # [n, 2, F]
         freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)  # [n, D / 2]
         if self.fused:  # the op's cache: one row of half-width angles a patch
-            cos, sin = freqs.cos(), freqs.sin()
-        else:
-            emb = torch.cat([freqs, freqs], dim=-1)
-            cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        for block in visual.blocks:
-            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, segments, self.fused)
-            hidden = hidden + self._mlp(block.mlp, block.norm2(hidden))
-        merger = visual.merger
+            return hidden, freqs.cos(), freqs.sin()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return hidden, emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+
+class D3VisionBlock(nn.Module):
+    """One block: attention within each segment, then the MLP, each added to the stream."""
+
+    inputs = ["hidden", "cos", "sin", "segments"]
+    outputs = ["next_hidden"]
+
+    def __init__(self, block: nn.Module, fused: bool, fast_gelu: bool):
+        super().__init__()
+        self.block, self.fused, self.fast_gelu = block, fused, fast_gelu
+
+    def forward(self, hidden, cos, sin, segments):
+        block = self.block
+        hidden = hidden + _attention(block.attn, block.norm1(hidden), cos, sin, segments, self.fused)
+        mlp = block.mlp
+        normed = block.norm2(hidden)
+        return hidden + (mlp.linear_fc2(gelu_tanh(mlp.linear_fc1(normed))) if self.fast_gelu else mlp(normed))
+
+
+class D3VisionHead(nn.Module):
+    """The merger: each 2 x 2 block of patches one row of the text's width."""
+
+    def __init__(self, merger: nn.Module):
+        super().__init__()
+        self.merger = merger
+
+    def forward(self, hidden):
+        merger = self.merger
         merged = merger.norm(hidden).reshape(-1, merger.hidden_size)
         return merger.linear_fc2(F.gelu(merger.linear_fc1(merged)))
 
-    def _mlp(self, mlp: nn.Module, hidden):
-        if self.fast_gelu:
-            return mlp.linear_fc2(gelu_tanh(mlp.linear_fc1(hidden)))
-        return mlp(hidden)
 
-    @staticmethod
-    def _attention(attn: nn.Module, hidden, cos, sin, segments, fused: bool):
-        n = hidden.shape[0]
-        q, k, v = attn.qkv(hidden).reshape(n, 3, attn.num_heads, -1).unbind(1)  # [n, heads, d]
-        if fused:
-            q, k = (patch_rotary(x.float(), cos, sin, attn.num_heads) for x in (q, k))
-            return attn.proj(segment_attention(q, k, v.float(), segments, attn.num_heads, attn.scaling))
-        q = q.float() * cos + _rotate_half(q.float()) * sin
-        k = k.float() * cos + _rotate_half(k.float()) * sin
-        count = segments.shape[0]
-        q, k, v = (x.reshape(count, -1, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [S, heads, n / S, d]
-        probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scaling, dim=-1, dtype=torch.float32)
-        out = (probs.to(v.dtype) @ v).transpose(1, 2).reshape(n, -1)
-        return attn.proj(out)
+def _attention(attn: nn.Module, hidden, cos, sin, segments, fused: bool):
+    n = hidden.shape[0]
+    q, k, v = attn.qkv(hidden).reshape(n, 3, attn.num_heads, -1).unbind(1)  # [n, heads, d]
+    if fused:
+        q, k = (patch_rotary(x.float(), cos, sin, attn.num_heads) for x in (q, k))
+        return attn.proj(segment_attention(q, k, v.float(), segments, attn.num_heads, attn.scaling))
+    q = q.float() * cos + _rotate_half(q.float()) * sin
+    k = k.float() * cos + _rotate_half(k.float()) * sin
+    count = segments.shape[0]
+    q, k, v = (x.reshape(count, -1, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [S, heads, n / S, d]
+    probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scaling, dim=-1, dtype=torch.float32)
+    out = (probs.to(v.dtype) @ v).transpose(1, 2).reshape(n, -1)
+    return attn.proj(out)
+
+
+class D3VisionGraph(nn.Module):
+    """`fused`: each block's rotary as onnxruntime's RotaryEmbedding nodes, its attention as a MultiHeadAttention node
+    and its MLP's tanh GELU as a FastGelu node (export/d3/fused_ops.py), for the CUDA form; the portable graph writes
+    them out op by op. A front, one block a layer and a head (export/stack.py)."""
+
+    def __init__(self, visual: nn.Module, fused: bool = False):
+        super().__init__()
+        self.front = D3VisionFront(visual, fused)
+        fast_gelu = fused and visual.config.hidden_act == "gelu_pytorch_tanh"
+        self.blocks = nn.ModuleList(D3VisionBlock(block, fused, fast_gelu) for block in visual.blocks)
+        self.head = D3VisionHead(visual.merger)
+
+    def forward(self, pixel_values, interp_index, interp_weight, rotary_pos, segments):
+        hidden, cos, sin = self.front(pixel_values, interp_index, interp_weight, rotary_pos, segments)
+        for block in self.blocks:
+            hidden = block(hidden, cos, sin, segments)
+        return self.head(hidden)

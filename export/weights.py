@@ -1,0 +1,277 @@
+"""Weights streamed from a checkpoint into a graph's data file, tensor by tensor, in the dtype the graph declares.
+
+Export traces every graph on a model whose parameters are on torch's meta device (export/graph_export.py), so no
+model is ever held in memory. Each initializer of such a graph is *virtual*: an external-data entry whose location
+is `VIRTUAL` and whose `recipe` key names how to make its values — a checkpoint tensor (`Stored`), a small constant
+(`Constant`), or one ONNX node applied to other recipes (`Derived`: the transposes, slices and `1 + w` that the
+optimizer would have folded into new weights). Passes over the graph (the optimizer, the half-precision rewrite)
+see its shape and dtype only; `write_graph` makes each tensor's values when it writes them, one at a time.
+
+A checkpoint's safetensors files are read with plain reads at each tensor's offset, not mapped: a mapped file's
+pages count in the process's resident memory until it is closed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+VIRTUAL = "<virtual>"  # an initializer's external-data location until `write_graph` gives it its values
+RECIPE_KEY = "recipe"
+ALIGNMENT = 64  # each tensor's offset in a data file (onnxruntime maps the file; aligned rows read faster)
+INLINE_BYTES = 1024  # smaller tensors are kept in the graph file, as onnx's own external-data writer does
+
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "F64": np.float64,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "BOOL": np.bool_}
+
+
+class WeightError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    path: Path
+    dtype: str  # safetensors' name
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    length: int
+
+
+class CheckpointTensors:
+    """The tensors of a checkpoint directory's safetensors files, by (file name, key); read on demand."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.files: dict[str, dict[str, StoredTensor]] = {}
+        for path in sorted(self.root.glob("*.safetensors")):
+            self.files[path.name] = _read_header(path)
+        if not self.files:
+            raise WeightError(f"{self.root} holds no .safetensors file")
+
+    def find(self, key: str) -> tuple[str, StoredTensor]:
+        """The (file, tensor) that holds `key` among the model's files (a sharded checkpoint's index is not needed:
+        every file's header lists its keys)."""
+        found = [(name, tensors[key]) for name, tensors in self.files.items() if key in tensors]
+        if len(found) != 1:
+            where = "no file" if not found else f"{len(found)} files ({', '.join(n for n, _ in found)})"
+            raise WeightError(f"checkpoint {self.root}: tensor {key!r} is in {where}")
+        return found[0]
+
+    def stored(self, file: str, key: str) -> StoredTensor:
+        try:
+            return self.files[file][key]
+        except KeyError:
+            raise WeightError(f"checkpoint {self.root}: {file} has no tensor {key!r}") from None
+
+    def read(self, file: str, key: str) -> np.ndarray:
+        """The tensor's values; bf16 as float32 (exact: bf16 is float32's upper half)."""
+        tensor = self.stored(file, key)
+        raw = np.empty(tensor.length, dtype=np.uint8)
+        with open(tensor.path, "rb") as f:
+            f.seek(tensor.start)
+            if f.readinto(memoryview(raw)) != tensor.length:
+                raise WeightError(f"{tensor.path}: {key!r} runs past the end of the file")
+        dtype = _SAFETENSORS_DTYPES.get(tensor.dtype)
+        if dtype is None:
+            raise WeightError(f"{tensor.path}: {key!r} has dtype {tensor.dtype}, which export does not read")
+        if dtype == "bfloat16":
+            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(tensor.shape)
+        return raw.view(dtype).reshape(tensor.shape)
+
+
+def _read_header(path: Path) -> dict[str, StoredTensor]:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise WeightError(f"{path} is not a safetensors file (shorter than its header)")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100 << 20:
+            raise WeightError(f"{path}: a header of {size} bytes is not a safetensors header")
+        header = json.loads(f.read(size))
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        tensors[key] = StoredTensor(path, entry["dtype"], tuple(entry["shape"]), 8 + size + start, end - start)
+    return tensors
+
+
+# -- recipes ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stored:
+    """A checkpoint tensor, as float32 (or its own integer type)."""
+
+    file: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A small tensor computed at trace time (a rotary table's frequencies)."""
+
+    value: np.ndarray
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Output `output` of one ONNX node (serialized NodeProto) applied to the values of other recipes."""
+
+    node: bytes
+    inputs: tuple[str, ...]  # recipe names; "" for an absent optional input
+    output: int = 0
+
+
+Recipe = Stored | Constant | Derived
+
+
+class WeightBook:
+    """Recipes by name: what `write_graph` evaluates."""
+
+    def __init__(self, recipes: Mapping[str, Recipe] | None = None):
+        self.recipes: dict[str, Recipe] = dict(recipes or {})
+
+    def add(self, name: str, recipe: Recipe) -> None:
+        if name in self.recipes and self.recipes[name] != recipe:
+            raise WeightError(f"two recipes for the weight {name!r}")
+        self.recipes[name] = recipe
+
+    def update(self, other: WeightBook) -> None:
+        for name, recipe in other.recipes.items():
+            self.add(name, recipe)
+
+    def values(self, name: str, tensors: CheckpointTensors) -> np.ndarray:
+        """The values of recipe `name`, made now (nothing is cached: each weight is made once, when written)."""
+        recipe = self.recipes.get(name)
+        if recipe is None:
+            raise WeightError(f"no recipe for the weight {name!r}")
+        if isinstance(recipe, Stored):
+            return tensors.read(recipe.file, recipe.key)
+        if isinstance(recipe, Constant):
+            return recipe.value
+        return _run_node(recipe.node, [self.values(i, tensors) if i else None for i in recipe.inputs])[recipe.output]
+
+
+def _run_node(node_bytes: bytes, inputs: list[np.ndarray | None]) -> list[np.ndarray]:
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    node = onnx.NodeProto.FromString(node_bytes)
+    names = [f"in{i}" if value is not None else "" for i, value in enumerate(inputs)]
+    outputs = [f"out{i}" for i in range(len(node.output))]
+    single = onnx.helper.make_node(node.op_type, names, outputs, domain=node.domain or None)
+    single.attribute.extend(node.attribute)
+    feeds = {name: value for name, value in zip(names, inputs) if name}
+    return list(ReferenceEvaluator(single).run(None, feeds))
+
+
+# -- virtual initializers in a ModelProto ------------------------------------------------------------------------
+def virtual_tensor(name: str, data_type: int, dims: tuple[int, ...], recipe: str | None = None):
+    """A TensorProto with no values: `recipe` (default: `name`) says how `write_graph` makes them."""
+    import onnx
+
+    tensor = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims))
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", VIRTUAL), (RECIPE_KEY, recipe or name)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return tensor
+
+
+def recipe_of(tensor) -> str | None:
+    """The recipe name of a virtual TensorProto; None for one that holds its values."""
+    entries = {entry.key: entry.value for entry in tensor.external_data}
+    return entries.get(RECIPE_KEY) if entries.get("location") == VIRTUAL else None
+
+
+def graph_tensors(model) -> Iterator:
+    """Every TensorProto of the model's graphs (initializers and Constant nodes' values, subgraphs included)."""
+    import onnx
+
+    def walk(graph):
+        yield from graph.initializer
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.TENSOR:
+                    yield attribute.t
+                elif attribute.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(attribute.g)
+                elif attribute.type == onnx.AttributeProto.GRAPHS:
+                    for sub in attribute.graphs:
+                        yield from walk(sub)
+
+    yield from walk(model.graph)
+
+
+def _as_dtype(values: np.ndarray, data_type: int, name: str) -> np.ndarray:
+    import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    if data_type == onnx.TensorProto.FLOAT16 and values.dtype != np.float16:
+        from onnxruntime.transformers.float16 import convert_np_to_float16
+
+        # As onnxruntime's float16 converter writes a weight: clamped into fp16's range, never to 0 or inf.
+        return np.concatenate([convert_np_to_float16(part.astype(np.float32)) for part in
+                               np.array_split(values.reshape(-1), max(1, values.size >> 24))]).reshape(values.shape)
+    if data_type == onnx.TensorProto.BFLOAT16:
+        wide = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+        # Round to nearest even, as torch's bfloat16 cast does.
+        return ((wide + 0x7FFF + ((wide >> 16) & 1)) >> 16).astype(np.uint16)
+    target = tensor_dtype_to_np_dtype(data_type)
+    if values.dtype != target:
+        if np.issubdtype(values.dtype, np.floating) != np.issubdtype(target, np.floating):
+            raise WeightError(f"weight {name!r}: its recipe makes {values.dtype}, the graph reads {target}")
+        values = values.astype(target)
+    return values
+
+
+def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
+                written: Callable[[int], None] | None = None) -> Path:
+    """Save `model` at `path`, every tensor over `INLINE_BYTES` in `path.name + '.data'`: virtual ones made from
+    `book` and `tensors` in the dtype the graph declares for them, one at a time. `written(bytes)` after each."""
+    import onnx
+
+    data_name = f"{path.name}.data"
+    with open(path.with_name(data_name), "wb") as data:
+        for tensor in graph_tensors(model):
+            recipe = recipe_of(tensor)
+            if recipe is not None:
+                values = _as_dtype(book.values(recipe, tensors), tensor.data_type, tensor.name)
+                expected = tuple(tensor.dims)
+                if values.shape != expected:
+                    raise WeightError(f"weight {tensor.name!r}: its recipe makes {values.shape}, the graph reads "
+                                      f"{expected}")
+                raw = np.ascontiguousarray(values).tobytes()
+                del tensor.external_data[:]
+            elif tensor.data_location == onnx.TensorProto.EXTERNAL:
+                raise WeightError(f"tensor {tensor.name!r} points at data that is not this graph's")
+            elif len(tensor.raw_data) > INLINE_BYTES:
+                raw = tensor.raw_data
+            else:
+                continue
+            if len(raw) <= INLINE_BYTES:  # a small virtual tensor: kept in the graph file
+                tensor.raw_data = raw
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                continue
+            offset = data.seek(0, os.SEEK_END)
+            padding = -offset % ALIGNMENT
+            data.write(b"\0" * padding)
+            data.write(raw)
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", data_name), ("offset", str(offset + padding)), ("length", str(len(raw)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            if written is not None:
+                written(len(raw))
+            del raw
+    onnx.save(model, str(path))
+    return path
