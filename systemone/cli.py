@@ -264,7 +264,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pids = ({name: pid for name, pid in (("server", args.server_pid), ("reference", args.reference_pid)) if pid}
                 if args.gpu_memory_peaks else None)
         report = run_load(args.serve, args.family, tuple(args.clients), args.seconds, args.model, args.reference,
-                          tuple(args.kinds), pids)
+                          tuple(args.kinds), pids, timeout_s=args.timeout, processes=args.processes,
+                          max_processes=args.max_processes, ceiling_seconds=args.ceiling_seconds,
+                          published=args.published)
         if args.out:
             write_report(report, Path(args.out))
         return 0
@@ -391,7 +393,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .loadgen import ALL_KINDS, KINDS
+    from .loadgen import ALL_KINDS, DEFAULT_TIMEOUT_S, KINDS, PUBLISHED
 
     formatter = _HelpFormatter
     parser = argparse.ArgumentParser(prog="systemone", description=__doc__, formatter_class=formatter)
@@ -511,8 +513,20 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--seconds", type=float, default=30.0, help="seconds per client count")
     load.add_argument("--model", default=None, help="the model name to send (default: none, the served one)")
     load.add_argument("--kinds", nargs="+", default=list(KINDS), choices=ALL_KINDS,
-                      help="request kinds in rotation (default: the seeds' mix; text1: a text state with one "
-                           "question)")
+                      help="request kinds in rotation (default: the seeds' mix; mp4: its video as a 10 s 720p "
+                           "MPEG-4 file; text1: a text state with one question)")
+    load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                      help="seconds a client waits for an answer; past it the request counts as a timeout")
+    load.add_argument("--processes", type=_positive_int, default=1,
+                      help="generator processes to start with; doubled (up to --max-processes) while the "
+                           "generator's ceiling against a stub server is below 3x the rate it measures")
+    load.add_argument("--max-processes", type=_positive_int, default=None,
+                      help="most generator processes (default: half the cores)")
+    load.add_argument("--ceiling-seconds", type=float, default=5.0,
+                      help="seconds of each measure of the generator's ceiling against its stub server")
+    load.add_argument("--published", choices=sorted(PUBLISHED), default=None,
+                      help="the checkpoint size whose published figures (the seeds', MI300X) are printed beside "
+                           "this run's")
     bench.set_defaults(func=cmd_bench)
 
     for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),
