@@ -263,8 +263,10 @@ def torch_graph(side: TorchSide, work: Workload, ids: np.ndarray, eager: np.ndar
             inputs = work.torch_inputs(side.model, ids)
             replay = capture_cuda_graph(lambda: work.torch_logits(side.model, inputs))
             diff = float(np.abs(replay() - eager).max())
-            # Replay runs the same kernels on the same inputs: anything past rounding noise is a broken capture.
-            side.graphs[key] = replay if diff <= 1e-2 else f"its replay differs from eager by {diff:.3g}"
+            # Replay runs the same kernels on the same inputs: past rounding noise (a GEMM may pick another
+            # algorithm under capture) the capture is broken.
+            bound = 2e-2 * max(1.0, float(np.abs(eager).max()))
+            side.graphs[key] = replay if diff <= bound else f"its replay differs from eager by {diff:.3g}"
         except Exception as exc:  # a host sync or an allocation inside the capture: eager is then all there is
             side.graphs[key] = f"capture failed: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     return side.graphs[key]
