@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (see ../shared/device/README.md), in steps of one warm lease (each under the 10-minute
 # limit of one call; the checkpoint and artifact stay in ~/work between them). The runtime needs pybase64, which
-# the machine lacks: carry its wheel in .device/wheels (the list in gpu_serve_bench.sh).
+# the machine lacks: carry its wheel in .device/wheels (the list in gpu_serve_bench.sh). The torch side of `bench`
+# is the checkpoint's own runtime at its best: carry flash-linear-attention's wheels there too (pure Python, Triton
+# kernels; einops is fla-core's import):
+#   ../shared/device/prepare.sh flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
+# causal-conv1d has no wheel (a CUDA extension built from source): the short convolution runs transformers' torch
+# path, and the bench's report says so. Warnings are shown, never filtered.
 #   bash scripts/gpu_bench.sh checkpoint SIZE MODE      build a random-init checkpoint of SIZE (d3-* or d1-3B; MODE, the
 #                                                       d3 attention mode, is ignored for d1) and say what the machine has
 #   bash scripts/gpu_bench.sh export SIZE MODE          the same checkpoint (built if missing), exported (portable)
@@ -10,6 +15,8 @@
 #                                                       gate's questions
 #   bash scripts/gpu_bench.sh bench SIZE MODE [FORMS]   `systemone bench` on CUDA, onnxruntime's and the GPU's profile
 #                                                       of the text graph and (d3) the media requests' stages
+#   bash scripts/gpu_bench.sh graphs SIZE MODE [FORMS]  `systemone bench` alone, at 1 / 8 / 32 x 200 and 8 x 1000 (its
+#                                                       report: bench_SIZE_MODE.json)
 #   bash scripts/gpu_bench.sh media SIZE MODE           (d3) the media requests' stages alone; on the tiny model
 #                                                       the fetch, decode and preprocessing rows are d3-nano's
 #   bash scripts/gpu_bench.sh probes SIZE MODE          GatedDeltaNet and the short convolution alone (SIZE, MODE unused)
@@ -26,7 +33,6 @@ work=~/work/"$size-$mode"
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 repo="$PWD"
 cd ~  # the repo's own systemone/ folder would shadow the package mapping gpu_env.sh puts on PYTHONPATH
-quiet() { grep -v "falling back\|Writing model\|Loading weights\|torchvision\|UserWarning\|warnings.warn"; }
 checkpoint() {  # a random-init checkpoint of $size, once per warm machine
   if [ ! -f "$work/checkpoint/config.json" ]; then
     case "$size" in
@@ -44,20 +50,22 @@ case "$step" in
 checkpoint)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import onnxruntime as o, torch, transformers; print('onnxruntime', o.__version__, o.get_available_providers()); print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  python3 -c "import triton, fla; print('triton', triton.__version__, 'fla', fla.__version__)" \
+    || echo "flash-linear-attention does not import: the torch side runs transformers' fallback kernels"
   checkpoint
   ;;
 export)
   checkpoint
-  python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --overwrite --portable-only 2>&1 | quiet
+  python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --overwrite --portable-only
   ;;
 forms)
   python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" --add-forms --gate-device cuda \
-    ${forms:+--forms "$forms"} 2>&1 | quiet
+    ${forms:+--forms "$forms"}
   cp "$work/artifact/manifest.json" "$out/manifest_${size}_${mode}.json"
   ;;
 precision)
   python3 "$repo/scripts/torch_precision.py" "$work/checkpoint" "$work/artifact" --device cuda \
-    --out "$out/torch_precision_${size}_${mode}.json" 2>&1 | quiet
+    --out "$out/torch_precision_${size}_${mode}.json"
   ;;
 bench)
   # onnxruntime's and the GPU's own profile of the form serve takes (a failed profile does not stop the bench)
@@ -71,14 +79,18 @@ print(sys.argv[2], r['form'], 'gpu ms/run', round(k.get('gpu_ms_per_run',0),2), 
   done
   case "$size" in d1*) ;; *) media_timing ;; esac
   python3 -m systemone.cli bench "$work/checkpoint" --artifact "$work/artifact" --device cuda \
-    ${forms:+--forms ${forms//,/ }} ${BENCH_ARGS:-} --out "$out/bench_${size}_${mode}.json" 2>&1 | quiet \
-    | grep -v '^ \|^{\|^}'
+    ${forms:+--forms ${forms//,/ }} ${BENCH_ARGS:-} --out "$out/bench_${size}_${mode}.json" 2>&1
+  ;;
+graphs)
+  python3 -m systemone.cli bench "$work/checkpoint" --artifact "$work/artifact" --device cuda \
+    --shapes 1x200 8x200 32x200 8x1000 ${forms:+--forms ${forms//,/ }} ${BENCH_ARGS:-} \
+    --out "$out/bench_${size}_${mode}.json" 2>&1
   ;;
 media)
   media_timing
   ;;
 vision)
-  python3 "$repo/scripts/vision_runs.py" "$work/artifact" --device cuda 2>&1 | quiet | tee "$out/vision_runs_${size}_${mode}.txt"
+  python3 "$repo/scripts/vision_runs.py" "$work/artifact" --device cuda 2>&1 | tee "$out/vision_runs_${size}_${mode}.txt"
   for shape in 60x80x1 20x36x1 20x36x10; do
     grid=${shape%x*}
     python3 "$repo/scripts/ort_profile.py" "$work/artifact" --device cuda --graph vision --grid $grid \
@@ -92,15 +104,15 @@ print(sys.argv[2], r['form'], 'host ms/run', round(r['kernel_ms_per_run'],2), 'g
   ;;
 probes)
   # onnxruntime's GatedDeltaNet and short-convolution kernels alone at d3-nano's shapes (no checkpoint needed)
-  python3 "$repo/scripts/gdn_probe.py" --out "$out/gdn_probe.json" 2>&1 | quiet | cut -c1-400
+  python3 "$repo/scripts/gdn_probe.py" --out "$out/gdn_probe.json" 2>&1 | cut -c1-400
   for channels in 2048 6144; do
-    python3 "$repo/scripts/conv_probe.py" --channels $channels --out "$out/conv_probe_$channels.json" 2>&1 | quiet
+    python3 "$repo/scripts/conv_probe.py" --channels $channels --out "$out/conv_probe_$channels.json"
   done
   ;;
 logits)
   # each text graph's code logits against torch fp32 on random runs and a run of one repeated token
   python3 "$repo/scripts/form_logits.py" "$work/checkpoint" "$work/artifact" --device cuda \
-    --out "$out/form_logits_${size}_${mode}.json" 2>&1 | quiet
+    --out "$out/form_logits_${size}_${mode}.json"
   ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac

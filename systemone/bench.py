@@ -1,13 +1,18 @@
-"""`systemone bench`: the runtime against the torch model it replaces, side by side in one process, on one
-checkpoint and its artifact.
+"""`systemone bench`: the runtime against the checkpoint's own runtime at its best, side by side in one process, on
+one checkpoint and its artifact.
 
-- Token batches: the same random token ids (batch x length) through the runtime's text graph and through
-  transformers eager (each dtype asked for), timed as medians; the runtime's numbers are checked against the fp32
-  reference on the same batches, so a fast wrong graph cannot pass for a fast one.
+- Token batches: the same random token ids (batch x length) through the runtime's text graph and through the
+  family's transformers model as a user runs it (systemone/torch_runtime.py: transformers' default attention, the
+  flash-linear-attention / causal-conv1d kernels where they import; bf16 by default). Both sides get the same number
+  of timed runs, taken in turn (ours, torch, ours, torch...), and the spread of each is reported; at batch 1 on
+  CUDA torch is also timed replaying a CUDA graph, so the ratio is not only against host-bound eager. The runtime's
+  numbers are checked against fp32 torch on the same batches, so a fast wrong graph cannot pass for a fast one.
+- What the torch side ran: versions, attention implementation, the kernels transformers chose, and the profiler's
+  top kernels of one call.
 - Whole requests through `DecisionService.decide` (a new prompt length each time): p50 and p99.
 - GPU memory (the device's used memory while serving; torch's peak allocation) and the artifact's size.
 
-It needs the export extra (torch, transformers): the reference is the export's own (`ExportConfig`).
+It needs the export extra (torch, transformers): the model class and readout are the export's own (`ExportConfig`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +46,54 @@ def percentile_ms(times: list[float], q: float) -> float:
 
 def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None) -> list[float]:
     """Wall times of `repeats` calls after one warm-up call."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return alternated({"": fn}, repeats, sync)[""]
+
+
+def alternated(calls: dict[str, Callable[[], Any]], repeats: int,
+               sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Wall times of `repeats` calls of each of `calls`, taken in turn (one of each a round, in order) after one
+    warm-up call of each: a drift of the machine (clocks, other load) falls on every side alike."""
+    for fn in calls.values():
         fn()
         sync()
-        times.append(time.perf_counter() - start)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
     return times
+
+
+def spread_ms(times: list[float]) -> dict[str, float]:
+    """min, p10, median, p90 and max of `times` (seconds) in ms."""
+    ms = np.asarray(times) * 1000.0
+    return {"min": float(ms.min()), "p10": float(np.percentile(ms, 10)), "median": float(np.median(ms)),
+            "p90": float(np.percentile(ms, 90)), "max": float(ms.max())}
+
+
+def capture_cuda_graph(forward: Callable[[], Any]) -> Callable[[], np.ndarray]:
+    """`forward` (device tensors in, a device tensor out, fixed shapes) captured once as a CUDA graph after three
+    warm-up calls on a side stream (kernels autotune and allocate outside the capture); the replay returns its
+    output on the host."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = forward()
+
+    def replay() -> np.ndarray:
+        graph.replay()
+        return out.float().cpu().numpy()
+
+    return replay
 
 
 def directory_bytes(root: Path) -> int:
@@ -61,16 +105,35 @@ class Workload(ABC):
     """A family's batches and requests: how to run a token batch through the runtime and through torch."""
 
     service: DecisionService | None  # None once its form is measured
-    reference: Any  # the family's ExportConfig (torch model on the reference device)
+    reference: Any  # the family's ExportConfig (its readout, attention mode and model class)
     vocab: int
+    constants: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+
+    def on_device(self, name: str, make: Callable[[], Any], device: Any) -> Any:
+        """A constant tensor on `device`, made once: a copy from the host inside a CUDA-graph capture would fail,
+        and in eager it would be timed as the model's work."""
+        if (name, str(device)) not in self.constants:
+            self.constants[name, str(device)] = make().to(device)
+        return self.constants[name, str(device)]
 
     @abstractmethod
     def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
         """The runtime's numbers for a [B, L] batch of token ids (the graph run only)."""
 
     @abstractmethod
+    def torch_inputs(self, model: Any, ids: np.ndarray) -> dict[str, Any]:
+        """The torch model's inputs for a [B, L] batch of token ids, on its device."""
+
+    @abstractmethod
+    def torch_logits(self, model: Any, inputs: dict[str, Any]) -> Any:
+        """The runtime's numbers from the torch model, a tensor on its device (`model`: the family's model class,
+        in any dtype, on any device)."""
+
     def torch_batch(self, model: Any, ids: np.ndarray) -> np.ndarray:
-        """The same numbers from the torch model (`model`: the reference's, moved to a device and dtype)."""
+        import torch
+
+        with torch.no_grad():
+            return self.torch_logits(model, self.torch_inputs(model, ids)).float().cpu().numpy()
 
     @staticmethod
     @abstractmethod
@@ -82,24 +145,27 @@ class D3Workload(Workload):
     def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
         return self.service.engine.runner.run([row.tolist() for row in ids])
 
-    def torch_batch(self, model: Any, ids: np.ndarray) -> np.ndarray:
+    def torch_inputs(self, model: Any, ids: np.ndarray) -> dict[str, Any]:
         import torch
 
-        ref = self.reference
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
         batch, length = ids.shape
         inputs: dict[str, Any] = {"input_ids": torch.from_numpy(ids).to(device),
                                   "position_ids": torch.arange(length, device=device).view(1, 1, -1)
                                   .expand(3, batch, length)}
-        if ref.attention_mode == "noncausal_full_attention":
+        if self.reference.attention_mode == "noncausal_full_attention":
             inputs["attention_mask"] = {"full_attention": torch.zeros(batch, 1, length, length, dtype=dtype,
                                                                       device=device), "linear_attention": None}
-        with torch.no_grad():
-            hidden = model(**inputs).last_hidden_state[:, -1].float()
-            logits = hidden @ ref.readout_weight.to(device).t()
-            if ref.readout_bias is not None:
-                logits = logits + ref.readout_bias.to(device)
-        return logits.cpu().numpy()
+        return inputs
+
+    def torch_logits(self, model: Any, inputs: dict[str, Any]) -> Any:
+        ref = self.reference
+        device = inputs["input_ids"].device
+        hidden = model(**inputs).last_hidden_state[:, -1].float()
+        logits = hidden @ self.on_device("readout", lambda: ref.readout_weight.t(), device)
+        if ref.readout_bias is not None:
+            logits = logits + self.on_device("bias", lambda: ref.readout_bias, device)
+        return logits
 
     @staticmethod
     def requests() -> dict[str, Callable[[int], dict[str, Any]]]:
@@ -127,14 +193,18 @@ class D1Workload(Workload):
         logprobs, _ = self.service.engine.runner.whole_logprobs([row.tolist() for row in ids], self.labels)
         return logprobs
 
-    def torch_batch(self, model: Any, ids: np.ndarray) -> np.ndarray:
+    def torch_inputs(self, model: Any, ids: np.ndarray) -> dict[str, Any]:
         import torch
 
-        device = next(model.parameters()).device
-        with torch.no_grad():
-            # Only the last position's logits, as a server computes them (not the LM head on every token).
-            logits = model(input_ids=torch.from_numpy(ids).to(device), logits_to_keep=1).logits[:, -1].float()
-        return torch.log_softmax(logits, dim=-1)[:, self.labels].cpu().numpy()
+        return {"input_ids": torch.from_numpy(ids).to(next(model.parameters()).device)}
+
+    def torch_logits(self, model: Any, inputs: dict[str, Any]) -> Any:
+        import torch
+
+        # Only the last position's logits, as a server computes them (not the LM head on every token).
+        logits = model(**inputs, logits_to_keep=1).logits[:, -1].float()
+        labels = self.on_device("labels", lambda: torch.tensor(self.labels), logits.device)
+        return torch.log_softmax(logits, dim=-1)[:, labels]
 
     @staticmethod
     def requests() -> dict[str, Callable[[int], dict[str, Any]]]:
@@ -170,9 +240,43 @@ def form_bytes(artifact: Artifact) -> int:
     return sum(p.stat().st_size for path in paths for p in (path, path.with_name(path.name + ".data")) if p.is_file())
 
 
-def bench_form(work: Workload, token_batches: dict[tuple[int, int], np.ndarray], repeats: int,
-               request_repeats: int, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[tuple[int, int], Any]]:
-    """One form's token batches and whole requests; its report and its outputs per batch."""
+@dataclass
+class TorchSide:
+    """One dtype of the torch model as the bench times it, and its CUDA graphs at batch 1 (or why there are none),
+    captured once and replayed for every form."""
+
+    dtype: str
+    model: Any
+    graphs: dict[tuple[int, int], Callable[[], np.ndarray] | str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"torch_{self.dtype}"
+
+
+def torch_graph(side: TorchSide, work: Workload, ids: np.ndarray, eager: np.ndarray) -> Callable[[], np.ndarray] | str:
+    """The side's CUDA-graph replay for `ids`, or why there is none: the capture failed, or its replay does not give
+    eager's numbers."""
+    key = ids.shape
+    if key not in side.graphs:
+        try:
+            inputs = work.torch_inputs(side.model, ids)
+            replay = capture_cuda_graph(lambda: work.torch_logits(side.model, inputs))
+            diff = float(np.abs(replay() - eager).max())
+            # Replay runs the same kernels on the same inputs: past rounding noise (a GEMM may pick another
+            # algorithm under capture) the capture is broken.
+            bound = 2e-2 * max(1.0, float(np.abs(eager).max()))
+            side.graphs[key] = replay if diff <= bound else f"its replay differs from eager by {diff:.3g}"
+        except Exception as exc:  # a host sync or an allocation inside the capture: eager is then all there is
+            side.graphs[key] = f"capture failed: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    return side.graphs[key]
+
+
+def bench_form(work: Workload, token_batches: dict[tuple[int, int], np.ndarray], sides: list[TorchSide],
+               references: dict[tuple[int, int], np.ndarray], repeats: int, request_repeats: int,
+               log: Callable[[str], None], sync: Callable[[], None] = lambda: None,
+               torch_cuda_graphs: bool = False) -> dict[str, Any]:
+    """One form's token batches, each timed in turn with every torch side, and its whole requests."""
     service = work.service
     label = f"{service.form} (cuda graphs)" if service.captures else service.form
     report: dict[str, Any] = {"provider": service.provider, "graph_bytes": form_bytes(service.artifact),
@@ -181,36 +285,69 @@ def bench_form(work: Workload, token_batches: dict[tuple[int, int], np.ndarray],
     # request's questions are grouped into calls.
     report["batch_sizing"] = service.batch_sizing().describe()
     log(f"{label:>10s} batch rows: {report['batch_sizing']}")
-    outputs: dict[tuple[int, int], np.ndarray] = {}
     for (b, n), ids in token_batches.items():
-        def run_runtime(ids: np.ndarray = ids, key: tuple[int, int] = (b, n)) -> None:
-            outputs[key] = work.runtime_batch(ids)
+        out: dict[str, np.ndarray] = {}
 
-        times = timed(run_runtime, repeats)
-        row = {"batch": b, "length": n, "runtime_ms": percentile_ms(times, 50),
-               "runtime_questions_per_s": b / float(np.median(times))}
+        def ours(ids: np.ndarray = ids) -> None:
+            out["ours"] = work.runtime_batch(ids)
+
+        calls: dict[str, Callable[[], Any]] = {"ours": ours}
+        row: dict[str, Any] = {"batch": b, "length": n}
+        for side in sides:
+            calls[side.name] = lambda side=side, ids=ids: work.torch_batch(side.model, ids)
+            if torch_cuda_graphs and b == 1:
+                graph = torch_graph(side, work, ids, work.torch_batch(side.model, ids))
+                if callable(graph):
+                    calls[f"{side.name}_cuda_graph"] = graph
+                    row["torch_against"] = "eager and CUDA graphs"
+                else:
+                    row["torch_against"] = f"host-bound eager (torch CUDA graphs: {graph})"
+        times = alternated(calls, repeats, sync)
+        ours_s = float(np.median(times["ours"]))
+        row.update({"runs": len(times["ours"]), "runtime_ms": ours_s * 1000.0,
+                    "runtime_ms_spread": spread_ms(times["ours"]), "runtime_questions_per_s": b / ours_s,
+                    "torch": {}})
+        for name, taken in times.items():
+            if name == "ours":
+                continue
+            seconds = float(np.median(taken))
+            key = name.removeprefix("torch_")
+            row["torch"][key] = {"runs": len(taken), "ms": seconds * 1000.0, "spread": spread_ms(taken),
+                                 "questions_per_s": b / seconds}
+            # Above 1: the runtime is that many times faster than torch on this batch.
+            row[f"speedup_over_torch_{key}"] = seconds / ours_s
+        row["max_abs_diff_vs_torch_float32"] = float(np.abs(out["ours"] - references[b, n]).max())
         report["batches"].append(row)
-        log(f"{label:>10s} batch {b:3d} x {n:5d}: {row['runtime_ms']:9.2f} ms  "
-            f"{row['runtime_questions_per_s']:8.1f} q/s")
+        spread = row["runtime_ms_spread"]
+        torch_text = "  ".join(f"torch {key} {t['ms']:9.2f} ms [{t['spread']['p10']:.2f}-{t['spread']['p90']:.2f}] "
+                               f"speedup {row[f'speedup_over_torch_{key}']:.2f}x" for key, t in row["torch"].items())
+        log(f"{label:>10s} batch {b:3d} x {n:5d}: ours {row['runtime_ms']:9.2f} ms [{spread['p10']:.2f}-"
+            f"{spread['p90']:.2f}] {row['runtime_questions_per_s']:8.1f} q/s  {torch_text}"
+            + (f"  ({row['torch_against']})" if "torch_against" in row else ""))
     for name, make in work.requests().items():
         times = timed(lambda i=iter(range(10**6)): service.decide(make(next(i))), request_repeats)
         report["requests"][name] = {"p50_ms": percentile_ms(times, 50), "p99_ms": percentile_ms(times, 99),
                                     "runs": len(times)}
         log(f"{label:>10s} request {name}: p50 {report['requests'][name]['p50_ms']:.2f} ms, p99 "
             f"{report['requests'][name]['p99_ms']:.2f} ms")
-    return report, outputs
+    return report
 
 
 def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches: tuple[int, ...] = (1, 8, 32, 64),
               lengths: tuple[int, ...] = (200, 1000), repeats: int = 10, request_repeats: int = 30,
-              torch_dtypes: tuple[str, ...] = ("bfloat16", "float32"), max_tokens: int = 65536,
+              torch_dtypes: tuple[str, ...] = ("bfloat16",), max_tokens: int = 65536,
               forms: tuple[str, ...] | None = None, gpu_memory: int | None = None, cuda_graphs: bool = True,
+              torch_cuda_graphs: bool = True, shapes: tuple[tuple[int, int], ...] | None = None,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     """Each form of the artifact for `device` (default: every one it has; with and without CUDA graphs where it
-    captures them), then transformers eager in each of `torch_dtypes`, on the same token batches."""
+    captures them), timed in turn with the checkpoint's own runtime in each of `torch_dtypes` on the same token
+    batches (`shapes`, or each of `batches` at each of `lengths` up to `max_tokens`), and checked against that
+    runtime in fp32."""
     import gc
 
     import torch
+
+    from . import torch_runtime
 
     entry = FAMILIES.recognise(checkpoint)
     artifact = Artifact.load(artifact_dir)
@@ -225,10 +362,27 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
                               "artifact_bytes": directory_bytes(artifact_dir), "gpu_memory_limit_bytes": gpu_memory,
                               "bf16_weight_bytes": 2 * sum(p.numel() for p in reference.model.parameters()),
                               "forms": {}}
-    shapes = [(b, n) for n in lengths for b in batches if b * n <= max_tokens]
+    shapes = shapes or tuple((b, n) for n in lengths for b in batches if b * n <= max_tokens)
     token_batches = {shape: rng.integers(0, vocab, shape) for shape in shapes}
+    # The export's reference model (eager attention, fp32 on the CPU) is not what is timed: each side is loaded
+    # fresh with transformers' defaults.
+    model_class = type(reference.model)
+    del reference.model
+    gc.collect()
+    if torch_device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sides = [TorchSide(dtype, torch_runtime.load_model(model_class, checkpoint, dtype, torch_device))
+             for dtype in torch_dtypes]
+    check = next((side.model for side in sides if side.dtype == "float32"), None)
+    if check is None:  # fp32 is the check's, untimed unless asked for
+        check = torch_runtime.load_model(model_class, checkpoint, "float32", torch_device)
+    described = torch_runtime.describe(sides[0].model if sides else check)
+    report["torch"] = {**described, "dtypes": list(torch_dtypes), "timed_runs": repeats,
+                       "timing": "alternated: one call of the runtime, then of torch in each dtype (and its CUDA "
+                                 "graph at batch 1), every round; one warm-up call of each first"}
+    log(f"torch side: {torch_runtime.summary(described)}")
+    references: dict[tuple[int, int], np.ndarray] = {}
 
-    outputs: dict[str, dict[tuple[int, int], np.ndarray]] = {}
     work: Workload | None = None
     # Each form as serve runs it; a form whose small batches replay CUDA graphs also uncaptured, beside it.
     queue = [(form, cuda_graphs) for form in forms or tuple(artifact.forms_for(device))]
@@ -245,7 +399,15 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
         service.batch_sizing()
         service.warm_up()
         work = WORKLOADS[entry.name](service, reference, vocab)
-        form_report, outputs[name] = bench_form(work, token_batches, repeats, request_repeats, log)
+        if not references:
+            references = {shape: work.torch_batch(check, ids) for shape, ids in token_batches.items()}
+            if all(side.model is not check for side in sides):
+                check = None  # the fp32 copy's memory goes before anything is timed
+                gc.collect()
+                if torch_device == "cuda":
+                    torch.cuda.empty_cache()
+        form_report = bench_form(work, token_batches, sides, references, repeats, request_repeats, log, sync,
+                                 torch_cuda_graphs and torch_device == "cuda")
         serving = device_used_mib()
         form_report["gpu_memory_serving_mib"] = None if serving is None or before is None else serving - before
         form_report["cuda_graphs"] = service.cuda_graphs
@@ -254,34 +416,17 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
         report["forms"][name] = form_report
         del service
     assert work is not None, "no form to bench"
-    work.service = None  # the last form's sessions (and device arena) go before torch is measured
+    work.service = None
     gc.collect()
-
-    # float32 first: the bf16 copy is made in place, so the fp32 weights must be used before it.
-    base_model = reference.model
-    for dtype_name in sorted(torch_dtypes, key=lambda d: d != "float32"):
-        model = base_model.to(torch_device, getattr(torch, dtype_name))
-        if torch_device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        torch_rows = []
-        for (b, n), ids in token_batches.items():
-            out: dict[str, np.ndarray] = {}
-
-            def run(ids: np.ndarray = ids) -> None:
-                out["logits"] = work.torch_batch(model, ids)
-
-            times = timed(run, max(1, repeats // 2), sync)
-            seconds = float(np.median(times))
-            torch_rows.append({"batch": b, "length": n, "ms": percentile_ms(times, 50)})
-            log(f"torch {dtype_name:8s} batch {b:3d} x {n:5d}: {torch_rows[-1]['ms']:9.2f} ms")
-            for form, form_report in report["forms"].items():
-                row = next(r for r in form_report["batches"] if (r["batch"], r["length"]) == (b, n))
-                row[f"runtime_over_torch_{dtype_name}"] = seconds / (row["runtime_ms"] / 1000.0)
-                if dtype_name == "float32":
-                    row["max_abs_diff_vs_torch_float32"] = float(np.abs(outputs[form][b, n] - out["logits"]).max())
-        report[f"torch_{dtype_name}"] = {"batches": torch_rows}
-        if torch_device == "cuda":
-            report[f"torch_{dtype_name}"]["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    # Which kernels ran, as the profiler saw one call of the largest batch (after the timing, which it would slow).
+    largest = max(token_batches, key=lambda shape: shape[0] * shape[1])
+    report["torch"]["profile"] = {
+        f"{side.dtype} batch {largest[0]} x {largest[1]}":
+            torch_runtime.profile_ops(lambda side=side: work.torch_batch(side.model, token_batches[largest]),
+                                      torch_device == "cuda")
+        for side in sides}
+    if torch_device == "cuda":
+        report["torch"]["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return report
 
 

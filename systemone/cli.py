@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -264,7 +264,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pids = ({name: pid for name, pid in (("server", args.server_pid), ("reference", args.reference_pid)) if pid}
                 if args.gpu_memory_peaks else None)
         report = run_load(args.serve, args.family, tuple(args.clients), args.seconds, args.model, args.reference,
-                          tuple(args.kinds), pids)
+                          tuple(args.kinds), pids, timeout_s=args.timeout, processes=args.processes,
+                          max_processes=args.max_processes, ceiling_seconds=args.ceiling_seconds,
+                          published=args.published)
         if args.out:
             write_report(report, Path(args.out))
         return 0
@@ -274,10 +276,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = run_bench(Path(args.checkpoint), Path(args.artifact), args.device, tuple(args.batches),
                        tuple(args.lengths), args.repeats, args.request_repeats, tuple(args.torch_dtypes),
                        forms=tuple(args.forms) if args.forms else None, gpu_memory=_gib_bytes(args.gpu_memory),
-                       cuda_graphs=not args.no_cuda_graphs)
+                       cuda_graphs=not args.no_cuda_graphs, torch_cuda_graphs=not args.no_torch_cuda_graphs,
+                       shapes=tuple(args.shapes) if args.shapes else None)
     if args.out:
         write_report(report, Path(args.out))
-    print(json.dumps(report, indent=2))
+    else:
+        print(json.dumps(report, indent=2))
     return 0
 
 
@@ -358,6 +362,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _shape(text: str) -> tuple[int, int]:
+    batch, _, length = text.partition("x")
+    if not (batch.isdigit() and length.isdigit() and int(batch) > 0 and int(length) > 0):
+        raise argparse.ArgumentTypeError(f"a token batch is BATCHxLENGTH, e.g. 8x1000; got {text!r}")
+    return int(batch), int(length)
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -382,7 +393,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .loadgen import ALL_KINDS, KINDS
+    from .loadgen import ALL_KINDS, DEFAULT_TIMEOUT_S, KINDS, PUBLISHED
 
     formatter = _HelpFormatter
     parser = argparse.ArgumentParser(prog="systemone", description=__doc__, formatter_class=formatter)
@@ -465,17 +476,25 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--device", default="auto", choices=DEVICES, help="the device serve would be asked for")
     doctor.set_defaults(func=cmd_doctor)
 
-    bench = sub.add_parser("bench", help="the runtime against transformers eager on one checkpoint and its artifact, "
-                           "side by side (needs the export extra)", parents=[common],
-                           formatter_class=formatter)
+    bench = sub.add_parser("bench", help="the runtime against the checkpoint's own runtime (transformers with its "
+                           "default attention and flash-linear-attention where it imports) on one checkpoint and its "
+                           "artifact, side by side (needs the export extra); third-party warnings are shown",
+                           parents=[common], formatter_class=formatter)
     bench.add_argument("checkpoint", nargs="?", help="the checkpoint directory the artifact was exported from")
     bench.add_argument("--artifact", help="the exported artifact directory")
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides run")
     bench.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64], help="token-batch sizes")
     bench.add_argument("--lengths", type=int, nargs="+", default=[200, 1000], help="token-batch prompt lengths")
-    bench.add_argument("--repeats", type=int, default=10, help="timed runs per token batch (after a warm-up)")
+    bench.add_argument("--shapes", type=_shape, nargs="+", default=None, metavar="BxL",
+                       help="token batches as batch x length (e.g. 1x200 8x1000), instead of --batches x --lengths")
+    bench.add_argument("--repeats", type=_positive_int, default=10,
+                       help="timed runs per token batch of each side, the runtime's and torch's taken in turn "
+                            "(after a warm-up call of each)")
     bench.add_argument("--request-repeats", type=int, default=30, help="timed whole requests per kind")
-    bench.add_argument("--torch-dtypes", nargs="+", default=["bfloat16", "float32"], help="transformers eager dtypes")
+    bench.add_argument("--torch-dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
+                       help="the dtypes torch is timed in (the check against fp32 torch runs whatever is timed)")
+    bench.add_argument("--no-torch-cuda-graphs", action="store_true",
+                       help="time torch at batch 1 in eager only (by default, on CUDA, also replaying a CUDA graph)")
     bench.add_argument("--forms", nargs="+", default=None,
                        help="the artifact's forms to run (default: every one it has for --device)")
     bench.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
@@ -496,8 +515,20 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--seconds", type=float, default=30.0, help="seconds per client count")
     load.add_argument("--model", default=None, help="the model name to send (default: none, the served one)")
     load.add_argument("--kinds", nargs="+", default=list(KINDS), choices=ALL_KINDS,
-                      help="request kinds in rotation (default: the seeds' mix; text1: a text state with one "
-                           "question)")
+                      help="request kinds in rotation (default: the seeds' mix; mp4: its video as a 10 s 720p "
+                           "MPEG-4 file; text1: a text state with one question)")
+    load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                      help="seconds a client waits for an answer; past it the request counts as a timeout")
+    load.add_argument("--processes", type=_positive_int, default=1,
+                      help="generator processes to start with; doubled (up to --max-processes) while the "
+                           "generator's ceiling against a stub server is below 3x the rate it measures")
+    load.add_argument("--max-processes", type=_positive_int, default=None,
+                      help="most generator processes (default: half the cores)")
+    load.add_argument("--ceiling-seconds", type=float, default=5.0,
+                      help="seconds of each measure of the generator's ceiling against its stub server")
+    load.add_argument("--published", choices=sorted(PUBLISHED), default=None,
+                      help="the checkpoint size whose published figures (the seeds', MI300X) are printed beside "
+                           "this run's")
     bench.set_defaults(func=cmd_bench)
 
     for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),
@@ -538,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.debug:
         return args.func(args)
     try:
-        with _quiet_third_party():
+        # The bench's report says which kernels the torch side ran: transformers' own warnings about that (a
+        # kernel package falling back to torch) stay in sight.
+        with nullcontext() if args.command == "bench" else _quiet_third_party():
             return args.func(args)
     except KeyboardInterrupt:
         return 130
