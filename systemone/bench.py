@@ -162,9 +162,9 @@ class D3Workload(Workload):
         ref = self.reference
         device = inputs["input_ids"].device
         hidden = model(**inputs).last_hidden_state[:, -1].float()
-        logits = hidden @ self.on_device("readout", lambda: ref.readout_weight.t(), device)
+        logits = hidden @ self.on_device("readout", lambda: ref.readout("weight").t(), device)
         if ref.readout_bias is not None:
-            logits = logits + self.on_device("bias", lambda: ref.readout_bias, device)
+            logits = logits + self.on_device("bias", lambda: ref.readout("bias"), device)
         return logits
 
     @staticmethod
@@ -360,15 +360,13 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
     rng = np.random.default_rng(0)
     report: dict[str, Any] = {"family": entry.name, "checkpoint": str(checkpoint), "device": device,
                               "artifact_bytes": directory_bytes(artifact_dir), "gpu_memory_limit_bytes": gpu_memory,
-                              "bf16_weight_bytes": 2 * sum(p.numel() for p in reference.model.parameters()),
+                              "bf16_weight_bytes": 2 * reference.skeleton.parameter_count(),
                               "forms": {}}
     shapes = shapes or tuple((b, n) for n in lengths for b in batches if b * n <= max_tokens)
     token_batches = {shape: rng.integers(0, vocab, shape) for shape in shapes}
-    # The export's reference model (eager attention, fp32 on the CPU) is not what is timed: each side is loaded
-    # fresh with transformers' defaults.
-    model_class = type(reference.model)
-    del reference.model
-    gc.collect()
+    # The export's reference model (eager attention, fp32) is not what is timed: each side is loaded fresh with
+    # transformers' defaults.
+    model_class = type(reference.skeleton.model)
     if torch_device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sides = [TorchSide(dtype, torch_runtime.load_model(model_class, checkpoint, dtype, torch_device))

@@ -40,8 +40,8 @@ class TorchEngine(Engine):
         self.reference = reference  # the family's ExportConfig: readout and attention mode (d3)
         self.model = model
         if inner.family.name == "d3":  # the readout on the model's device once, in fp32 as the spec reads it
-            self.readout = reference.readout_weight.to(model.device).t()
-            self.readout_bias = None if reference.readout_bias is None else reference.readout_bias.to(model.device)
+            self.readout = reference.readout("weight").to(model.device).t()
+            self.readout_bias = None if reference.readout_bias is None else reference.readout("bias").to(model.device)
         self.family = inner.family
         self.max_model_len = inner.max_model_len
         self.session = inner.session
@@ -149,15 +149,15 @@ def reference_service(checkpoint: Path, artifact_dir: Path, device: str = "cpu",
                       media_processes: int | None = None) -> DecisionService:
     """A service whose engine is the checkpoint's own runtime (`dtype` auto: bf16 on CUDA, fp32 on the CPU); the
     ONNX graphs are opened on the CPU and never run."""
-    import gc
 
     entry = FAMILIES.recognise(checkpoint)
-    service = DecisionService(Artifact.load(artifact_dir), EngineOptions(device="cpu"), served_model_names,
+    artifact = Artifact.load(artifact_dir)
+    # Any form will do (its graphs are never run): the portable one, or a CUDA form named outright.
+    form = "auto" if artifact.forms_for("cpu") else next(iter(artifact.written_forms()))
+    service = DecisionService(artifact, EngineOptions(device="cpu", form=form), served_model_names,
                               media_processes=default_processes() if media_processes is None else media_processes)
     reference = entry.load_export_config()(checkpoint)
-    model_class = type(reference.model)
-    del reference.model  # the export's fp32 eager copy: the served model is loaded as a user loads it
-    gc.collect()
+    model_class = type(reference.skeleton.model)  # served as a user loads it, not as the export's fp32 reference
     torch_device = "cuda" if device == "cuda" else "cpu"
     if dtype == "auto":
         dtype = "bfloat16" if torch_device == "cuda" else "float32"
