@@ -203,7 +203,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
             versions=_versions(), exported_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         manifest.write(staging)
         manifest = write_forms(config, plan.forms, staging, manifest, device, progress, exports, write)
-        if not plan.portable and not manifest.written_forms():
+        if not plan.portable and all(form.refused for form in manifest.forms.values()):
             raise ParityError("no form passed its gate, and no portable graphs were asked for: nothing to serve "
                               "(the manifest's refusals: " + "; ".join(f"{n}: {f.refused}" for n, f in
                                                                        manifest.forms.items()) + ")")

@@ -112,13 +112,15 @@ def _add_piece(graph, book: WeightBook, traced: TracedGraph, prefix: str, bound:
             for entry in tensor.external_data:
                 if entry.key == "recipe":
                     entry.value = prefix + recipe
-    for value in piece.value_info:
-        value.name = rename(value.name)
-        if value.type.HasField("tensor_type"):
-            value.type.tensor_type.ClearField("shape")  # pieces name their symbolic dims apart; types are enough
+    # The values between pieces typed too (a piece's outputs), as the half-precision rewrite reads every float's type.
+    for value in [*piece.value_info, *(out for out in piece.output if out.name not in bound)]:
+        typed = graph.value_info.add()
+        typed.CopyFrom(value)
+        typed.name = rename(value.name)
+        if typed.type.HasField("tensor_type"):
+            typed.type.tensor_type.ClearField("shape")  # pieces name their symbolic dims apart; types are enough
     graph.node.extend(piece.node)
     graph.initializer.extend(piece.initializer)
-    graph.value_info.extend(piece.value_info)
     for name, recipe in _rekeyed(traced.book, prefix, layer).items():
         book.add(name, recipe)
 

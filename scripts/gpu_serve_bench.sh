@@ -13,7 +13,7 @@
 #     uvloop==0.23.0 pybase64==1.5.1 flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
 #   bash scripts/gpu_serve_bench.sh SIZE MODE [SECONDS]
 # SERVE_ARGS: more `systemone serve` flags (e.g. "--gpu-memory 6"); REFERENCE=0: our server alone; TAG: a suffix for
-# the result files; MP4=1: the mix again with its video also sent as an MPEG-4 file (kind mp4). Each run reports
+# the result files; CLIENTS (1 8 64): the mix's client counts; TEXT1=0: no text-only run; MP4=1: the mix again with its video also sent as an MPEG-4 file (kind mp4). Each run reports
 # the most GPU memory each server process and the device held (nvidia-smi).
 set -euo pipefail
 size="$1"; mode="$2"; seconds="${3:-30}"
@@ -65,7 +65,8 @@ bench() {  # NAME [FLAGS...]: one `systemone bench --serve` against both servers
   python3 -m systemone.cli bench --serve http://127.0.0.1:8000/v1/systemone "${reference[@]}" --family "$family" \
     --seconds "$seconds" --gpu-memory-peaks "${pids[@]}" --out "$out/serve_bench_${name}$tag.json" "$@"
 }
-bench "" --clients 1 8 64 "${published[@]}"
+# shellcheck disable=SC2086  # CLIENTS is a list
+bench "" --clients ${CLIENTS:-1 8 64} "${published[@]}"
 [ "${MP4:-0}" = 0 ] || [ "$family" = d1 ] || bench mp4_ --clients 1 8 64 --kinds text json choice40 image video mp4
-bench text1_ --kinds text1 --clients 64  # text-only one-question requests
+[ "${TEXT1:-1}" = 0 ] || bench text1_ --kinds text1 --clients 64  # text-only one-question requests
 grep "systemone serve:\|cuda graphs" "$out/serve_$tag.log" || true

@@ -191,3 +191,15 @@ def test_a_large_model_gets_no_portable_graphs_unless_asked(d3_checkpoint, monke
     with pytest.raises(ValueError, match="27B-parameter model would hold 108 GB"):
         pipeline.plan_forms(config, None, "cpu")
     assert pipeline.plan_forms(config, ["portable"], "cpu").portable
+
+
+def test_the_values_between_a_stacks_pieces_keep_their_types(d3_checkpoint):
+    """The half-precision rewrite reads every float value's type: the stream passed from the front to the first
+    block and from block to block is typed like any value inside a piece."""
+    config = _config(d3_checkpoint)
+    proto = trace_graph(config.graphs(fused=True)[0], config.skeleton.tensors).proto()
+    typed = {value.name: value.type.tensor_type.elem_type for value in proto.graph.value_info}
+    layers = config.text_config.num_hidden_layers
+    between = ["front/hidden", "front/update", *(f"layers.{i}/next_{name}" for i in range(layers - 1)
+                                                 for name in ("hidden", "update"))]
+    assert {name: typed.get(name) for name in between} == {name: onnx.TensorProto.FLOAT for name in between}

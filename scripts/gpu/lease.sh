@@ -136,7 +136,7 @@ bench)
       (cd ~/repo && OUT=~/res bash scripts/gpu_serve_bench.sh d3-nano "$mode" "${SECONDS_EACH:-15}") ;;
     serve:*)  # one size served: the first answer, and the mix at 1 and 8 clients (its five kinds answered)
       size=${what#serve:}
-      (cd ~/repo && OUT=~/res REFERENCE=0 CLIENTS="1 8" bash scripts/gpu_serve_bench.sh "$size" \
+      (cd ~/repo && OUT=~/res REFERENCE=0 CLIENTS="1 8" TEXT1=0 bash scripts/gpu_serve_bench.sh "$size" \
         "$( [[ $size == d1* ]] && echo - || echo "$mode")" "${SECONDS_EACH:-8}") ;;
     *) echo "unknown bench step $what" >&2 ;;
     esac
