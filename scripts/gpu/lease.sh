@@ -84,7 +84,7 @@ chain() {  # every size's checkpoint at once, then each export alone, once onnxr
   export PYTHONPATH=~/site0:~/repo
   local size t0
   t0=$(date +%s)
-  for size in $sizes; do build "$size" & done
+  for size in $sizes; do [ -f "$(work_of "$size")/checkpoint/config.json" ] || build "$size" & done
   wait
   echo "[$(( $(date +%s) - t0 )) s] checkpoints built: $(du -sh ~/work/*/checkpoint | tr '\n' ' ')"
   until [ -f ~/site/.ready ]; do sleep 1; done
