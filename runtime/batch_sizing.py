@@ -17,8 +17,9 @@ which an engine groups one request's rows of different lengths into calls (`Batc
 Under a bounded arena (--gpu-memory) the measurement stops at the largest batch the arena holds.
 
 The sizes are timed in interleaved rounds (1, 2, 4, ... then again), each size's fastest run counting: a burst of
-other work on a shared host slows a few runs of every size, not all the runs of one, which once made five starts of
-one artifact choose 8, 1, 2, 1 and 32 rows (docs/decisions/batch-rows.md).
+other work on a shared host slows a few runs of every size, not all the runs of one. Under steady contention, where
+the time a question is flat, the choice still varies from one measurement to the next, so `serve` keeps the first
+start's choice for the artifact on the machine (systemone/batch_rows.py, docs/decisions/batch-rows.md).
 """
 
 from __future__ import annotations
