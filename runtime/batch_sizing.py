@@ -15,12 +15,18 @@ of the time (1-2% with 32): a call that takes every waiting row leaves the next 
 The same timings give the call's cost model (a fixed part, a part per padded token, and a floor: the fastest call), by
 which an engine groups one request's rows of different lengths into calls (`BatchBudget.plan`).
 Under a bounded arena (--gpu-memory) the measurement stops at the largest batch the arena holds.
+
+The sizes are timed in interleaved rounds (1, 2, 4, ... then again), each size's fastest run counting: a burst of
+other work on a shared host slows a few runs of every size, not all the runs of one. Under steady contention, where
+the time a question is flat, the choice still varies from one measurement to the next, so `serve` keeps the first
+start's choice for the artifact on the machine (systemone/batch_rows.py, docs/decisions/batch-rows.md).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +39,9 @@ MOST_ROWS = 64
 # A batch is kept while its time a question is at most this much over the best measured: timing noise on a shared
 # machine is a few %.
 NOISE = 1.05
-REPEATS = 3  # timed runs a batch size (the fastest counts), after one untimed run of the new shape
-TIME_LIMIT_S = 5.0  # the measurement stops trying larger batches past this
+ROUNDS = 5  # timed runs a batch size, one a round (the fastest counts), after one untimed run of the new shape
+MIN_ROUNDS = 2  # even where the time limit has passed
+TIME_LIMIT_S = 5.0  # no larger batch is tried past half of this, and no further round past it
 
 
 class TooLittleDeviceMemory(RuntimeError):
@@ -51,6 +58,13 @@ class BatchSizing:
     def cost(self) -> CallCost | None:
         """The call's cost model fitted to the timings (None with fewer than two batch sizes timed)."""
         return fit_call_cost({batch * self.length: s for batch, s in self.seconds.items()})
+
+    def to_dict(self) -> dict[str, object]:
+        return {"rows": self.rows, "length": self.length, "seconds": {str(b): s for b, s in self.seconds.items()}}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> BatchSizing:
+        return cls(int(raw["rows"]), int(raw["length"]), {int(b): float(s) for b, s in raw["seconds"].items()})
 
     def describe(self) -> str:
         if not self.seconds:
@@ -83,39 +97,45 @@ def fit_call_cost(seconds_by_tokens: dict[int, float]) -> CallCost | None:
 
 
 def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int = MOST_ROWS,
-                       time_limit_s: float = TIME_LIMIT_S) -> BatchSizing:
-    """The most rows a call whose time a question on `engine`'s device is within NOISE of the best measured (1 for
-    engines that run each request whole), at most as many as its arena (--gpu-memory) holds and, where its calls
-    are captured, as its largest captured call;
-    `TooLittleDeviceMemory` if it holds not even one."""
+                       time_limit_s: float = TIME_LIMIT_S, rounds: int = ROUNDS) -> BatchSizing:
+    """The most rows a call whose time a question on `engine`'s device is within NOISE of the best of the smaller
+    batches (1 for engines that run each request whole), at most as many as its arena (--gpu-memory) holds and,
+    where its calls are captured, as its largest captured call; `TooLittleDeviceMemory` if it holds not even one.
+    Each size is run once untimed (its allocations), then timed once a round over `rounds` interleaved rounds."""
     if not engine.shares_batches or engine.budget is None:
         return BatchSizing(1)
     most = min(most, engine.captured_rows or most)
     length = min(length, engine.max_model_len)
-    seconds: dict[int, float] = {}
-    best, batch = 1, 1
     started = time.perf_counter()
+    probes: dict[int, list[Any]] = {}
+    batch = 1
     while batch <= most and engine.budget.fits(batch, length):
         rows = [engine.probe_row(length)] * batch
         try:
             engine.run_rows(rows)  # a shape's first run pays for its allocations
-            times = []
-            for _ in range(REPEATS):
-                start = time.perf_counter()
-                engine.run_rows(rows)
-                times.append(time.perf_counter() - start)
         except DeviceMemoryExhausted as exc:
             if batch == 1:
                 raise TooLittleDeviceMemory(
                     f"the device memory each graph may use (--gpu-memory) cannot hold one question of {length} "
                     "tokens in the text graph; give it more") from exc
             break  # a call of more rows than the arena holds would be split at every use
-        seconds[batch] = min(times)
-        fastest = min(s / b for b, s in seconds.items())  # the best time a question so far
-        if seconds[batch] / batch > NOISE * fastest:
-            break  # slower a question than noise explains: larger batches would only be slower still
-        best = batch
-        if time.perf_counter() - started > time_limit_s:
+        probes[batch] = rows
+        if time.perf_counter() - started > time_limit_s / 2:
             break
         batch *= 2
-    return BatchSizing(best, length, seconds)
+    fastest: dict[int, float] = {}
+    for round_ in range(rounds):
+        for batch, rows in probes.items():
+            start = time.perf_counter()
+            engine.run_rows(rows)
+            seconds = time.perf_counter() - start
+            fastest[batch] = min(fastest.get(batch, seconds), seconds)
+        if round_ + 1 >= MIN_ROUNDS and time.perf_counter() - started > time_limit_s:
+            break
+    best, seconds_kept = 1, {}
+    for batch, seconds in fastest.items():  # in size order
+        seconds_kept[batch] = seconds
+        if seconds / batch > NOISE * min(s / b for b, s in seconds_kept.items()):
+            break  # slower a question than noise explains: larger batches would only be slower still
+        best = batch
+    return BatchSizing(best, length, seconds_kept)

@@ -1,6 +1,7 @@
 """Devices, the onnxruntime execution providers that run them, and the install extra each needs.
 
-No onnxruntime import here: the CLI names devices, and says which extra to install, on an install without one."""
+No onnxruntime import here: the CLI names devices, and says which extra to install (systemone/install.py), on an
+install without one."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ DEVICES = ("auto", *PROVIDERS)
 # The pip extra that installs each device's onnxruntime flavour (pyproject.toml); one flavour per environment, since
 # they all install the same `onnxruntime` module.
 EXTRAS = {"cuda": "gpu", "rocm": "rocm", "cpu": "cpu"}
-NO_ONNXRUNTIME = ("onnxruntime is not installed: install exactly one flavour, pip install 'systemone-onnx[cpu]' "
-                  "(CPU), 'systemone-onnx[gpu]' (NVIDIA, CUDA) or 'systemone-onnx[rocm]' (AMD)")
 
 
 class ProviderUnavailable(RuntimeError):

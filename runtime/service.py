@@ -107,12 +107,19 @@ class DecisionService:
         return self.served_model_names[0]
 
     def batch_sizing(self) -> BatchSizing:
-        """How many rows a text-graph call takes on this device, measured once (runtime/batch_sizing.py)."""
+        """How many rows a text-graph call takes on this device, measured once (runtime/batch_sizing.py) unless
+        one was adopted."""
         if self._batch_sizing is None:
-            self._batch_sizing = measure_batch_rows(self.engine)
-            if self._batch_sizing.cost is not None:
-                self.engine.use_call_cost(self._batch_sizing.cost)
+            self.adopt_batch_sizing(measure_batch_rows(self.engine))
+        assert self._batch_sizing is not None
         return self._batch_sizing
+
+    def adopt_batch_sizing(self, sizing: BatchSizing) -> None:
+        """Take `sizing` (a measurement kept from an earlier start on this machine) as this service's: its rows a
+        call and its call cost."""
+        self._batch_sizing = sizing
+        if sizing.cost is not None:
+            self.engine.use_call_cost(sizing.cost)
 
     # -- validation (spec 1.3 steps 1-8) ---------------------------------------------------------------------
     def validate(self, body: Any) -> tuple[DecisionRequest, list[Question]]:
@@ -164,7 +171,10 @@ class DecisionService:
 
     # -- prompts ----------------------------------------------------------------------------------------------
     def render(self, body: Any) -> list[RenderedPrompt]:
-        """Every question's prompt as the model would read it (media fetched and expanded)."""
+        """Every question's prompt as the model would read it (media fetched and expanded). The request's model name
+        plays no part in a prompt, so it is not checked: a request written for another served name renders too."""
+        if isinstance(body, dict) and body.get("model"):
+            body = {**body, "model": None}
         return self.prepare(body).prompts
 
     # -- the whole request (spec 5) --------------------------------------------------------------------------

@@ -22,7 +22,7 @@ ARTIFACT="$DEMO/$FAMILY-tiny-onnx"
 .venv/bin/systemone serve "$ARTIFACT" --port "$PORT" --log-level warning &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-.venv/bin/python - "$PORT" "$FAMILY-tiny" "$SERVER" <<'PY'
+.venv/bin/python - "$PORT" "$SERVER" <<'PY'
 import json, os, sys, time, urllib.request
 base = f"http://127.0.0.1:{sys.argv[1]}"
 for _ in range(240):
@@ -30,10 +30,9 @@ for _ in range(240):
         urllib.request.urlopen(base + "/health", timeout=1)
         break
     except OSError:
-        os.kill(int(sys.argv[3]), 0)  # the server exited: its error is above
+        os.kill(int(sys.argv[2]), 0)  # the server exited: its error is above
         time.sleep(0.5)
-body = json.load(open("scripts/demo_request.json", encoding="utf-8"))
-body["model"] = sys.argv[2]
+body = json.load(open("scripts/demo_request.json", encoding="utf-8"))  # no model name: the served one answers
 print(f"POST {base}/v1/systemone\n{json.dumps(body, indent=2, ensure_ascii=False)}\n")
 req = urllib.request.Request(base + "/v1/systemone", data=json.dumps(body).encode(),
                              headers={"Content-Type": "application/json"})

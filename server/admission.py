@@ -25,19 +25,55 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-async def watch(work: Awaitable[T], deadline: Deadline, gone: asyncio.Future[object]) -> T:
-    """`work`'s result, unless the deadline passes (`TimedOut`) or `gone` completes (the client left: `ClientGone`)
-    first; then the deadline is cancelled (what the request holds stops) and `work` is cancelled. All three are
-    awaited, not polled, so a waiting request costs the event loop nothing until one of them happens."""
+class ServerStopping(Unavailable):
+    """The server was told to stop at once (a second Ctrl-C) while the request was in flight."""
+
+
+class InFlight:
+    """What the requests in flight watch besides their deadline and client: `stop()` ends each of them with
+    `ServerStopping` (503). One future a running event loop, made when a request first asks for it."""
+
+    def __init__(self) -> None:
+        self._stopping: asyncio.Future[object] | None = None
+        self.watching = 0  # requests waiting on it now
+
+    def stopping(self) -> asyncio.Future[object]:
+        loop = asyncio.get_running_loop()
+        if self._stopping is None or self._stopping.get_loop() is not loop:
+            self._stopping = loop.create_future()
+        return self._stopping
+
+    def stop(self) -> int:
+        """End every request in flight with 503 (call on the event loop); how many there were."""
+        if self._stopping is not None and not self._stopping.done():
+            self._stopping.set_result(None)
+        return self.watching
+
+
+async def watch(work: Awaitable[T], deadline: Deadline, gone: asyncio.Future[object],
+                in_flight: InFlight | None = None) -> T:
+    """`work`'s result, unless the deadline passes (`TimedOut`), `gone` completes (the client left: `ClientGone`)
+    or the server stops at once (`in_flight`'s stop: `ServerStopping`) first; then the deadline is cancelled (what
+    the request holds stops) and `work` is cancelled. All are awaited, not polled, so a waiting request costs the
+    event loop nothing until one of them happens."""
     task = asyncio.ensure_future(work)
+    stopping = in_flight.stopping() if in_flight is not None else None
+    if in_flight is not None:
+        in_flight.watching += 1
     try:
-        done, _ = await asyncio.wait({task, gone}, timeout=deadline.timeout(), return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, gone} if stopping is None else {task, gone, stopping},
+                                     timeout=deadline.timeout(), return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
         if gone in done:
             raise ClientGone()
+        if stopping is not None and stopping in done:
+            raise ServerStopping("the server is stopping (Ctrl-C twice) and answers no more requests; retry once it "
+                                 "is back, or on another server")
         raise deadline.error()
     finally:
+        if in_flight is not None:
+            in_flight.watching -= 1
         if not task.done():
             deadline.cancel()
             task.cancel()
@@ -77,7 +113,8 @@ class Admission:
             self.running -= 1
             self._slots.release()
 
-    async def run(self, work: Callable[[], Awaitable[T]], deadline: Deadline, gone: asyncio.Future[object]) -> T:
+    async def run(self, work: Callable[[], Awaitable[T]], deadline: Deadline, gone: asyncio.Future[object],
+                  in_flight: InFlight | None = None) -> T:
         """Run `work` in a slot within the request's deadline while the client stays connected; when either
         ends first, the deadline is cancelled (the scheduler drops the request's rows and stops a graph call that
         served only it) and the slot is given back."""
@@ -85,4 +122,4 @@ class Admission:
             async with self.slot():
                 return await work()
 
-        return await watch(in_slot(), deadline, gone)
+        return await watch(in_slot(), deadline, gone, in_flight)

@@ -34,13 +34,14 @@ from ..runtime.devices import CPU
 from ..runtime.engine import Prepared
 from ..runtime.scheduler import Scheduler
 from ..runtime.service import DecisionService
-from .admission import Admission, ClientGone, watch
+from .admission import Admission, ClientGone, InFlight, watch
 from .auth import Unauthorized, check_bearer
 from .body import BodyTimeout, NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
 from .schema import ROUTE_DOCS, document_request_body
 from .body_memory import BodyMemory, parsed_size_bound
+from .docs_pages import add_docs_pages
 
 log = logging.getLogger("systemone.server")
 
@@ -86,7 +87,8 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     """The app for one loaded model."""
     options = options or ServerOptions()
     # With an API key the interactive docs are off (they would describe the API to anyone); /metrics needs the key.
-    docs = {} if options.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    # FastAPI's own /docs and /redoc load their assets from a CDN: ours are served here (server/docs_pages.py).
+    docs = {"docs_url": None, "redoc_url": None, **({} if options.api_key is None else {"openapi_url": None})}
     sizing = (service.batch_sizing() if options.max_batch_rows is None else BatchSizing(options.max_batch_rows))
     # On a GPU the vision graph runs beside the text calls (its launches overlap theirs); on the CPU both would
     # share the same few cores.
@@ -118,6 +120,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
 
     app = FastAPI(title="systemone-onnx", version="0.1.0", lifespan=lifespan, **docs)
     admission = Admission(options.max_concurrency, options.max_queue)
+    in_flight = InFlight()  # a second Ctrl-C answers what is in flight with 503 (server/lifecycle.py)
     parsing = ThreadPoolExecutor(options.parse_workers, thread_name_prefix="systemone-parse")
     body_memory = BodyMemory(options.max_body_memory)
     metrics = Metrics()
@@ -262,20 +265,23 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
                          else await loop.run_in_executor(parsing, parsed_size_bound, raw))
                 charge.set(bound, parsing=True)
                 gone = asyncio.ensure_future(client_gone(request.receive))
-                prepared = await watch(prepare(raw), deadline, gone)
+                prepared = await watch(prepare(raw), deadline, gone, in_flight)
 
             async def answer() -> dict[str, Any]:
                 readouts = await asyncio.wrap_future(scheduler.submit(prepared, deadline))
                 return service.respond(prepared, readouts, request_id)
 
-            return await admission.run(answer, deadline, gone)
+            return await admission.run(answer, deadline, gone, in_flight)
         finally:
             deadline.cancel()  # whatever still runs for this request stops
             if gone is not None:
                 gone.cancel()
 
     document_request_body(app)
+    if options.api_key is None:
+        add_docs_pages(app)
     app.state.admission = admission
+    app.state.in_flight = in_flight
     app.state.scheduler = scheduler
     app.state.batch_sizing = sizing
     app.state.metrics = metrics

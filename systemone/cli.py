@@ -1,6 +1,5 @@
-"""`systemone`: export a checkpoint, serve an artifact, ask it one request, or show what it reads.
-
-It sits above export/, runtime/ and server/ (it drives all three), so it lives in the top package."""
+"""`systemone`: the command line. It sits above export/, runtime/ and server/ (it drives all three), so it lives in
+the top package."""
 
 from __future__ import annotations
 
@@ -12,15 +11,28 @@ import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from .artifact_cache import CACHE_ENV, default_cache_dir, servable
+from .install import missing_module_hint
 from .runtime.batch import MAX_BATCH_TOKENS
-from .runtime.devices import DEVICES, NO_ONNXRUNTIME
+from .runtime.devices import DEVICES
 
 if TYPE_CHECKING:
     from .runtime.media_fetch import FetchPolicy
 
 API_KEY_ENV = "SYSTEMONE_API_KEY"
+
+DESCRIPTION = """Serve decision models (d1, d3) on onnxruntime: POST /v1/systemone answers as vLLM does.
+
+Start here:
+  systemone serve MODEL            MODEL: a hub id, a checkpoint directory or an exported artifact; a checkpoint is
+                                   exported once into a cache (minutes), later starts serve it at once
+  systemone ask MODEL --request scripts/demo_request.json
+                                   answer one request without a server
+  systemone doctor [ARTIFACT]      what this machine can run, and what serve would use; exits 1 if serve would fail
+"""
+EPILOG = "`systemone COMMAND --help` lists a command's flags with their defaults; docs/cli.md says why."
 
 
 class UserError(Exception):
@@ -49,6 +61,16 @@ def fetch_policy(args: argparse.Namespace, environ: Mapping[str, str]) -> FetchP
         image_timeout_s=args.image_fetch_timeout, video_timeout_s=args.video_fetch_timeout,
         attempts=args.media_fetch_attempts,
         proxies=ProxySettings() if args.no_media_proxy else ProxySettings.from_environment(environ))
+
+
+def _cache_dir(args: argparse.Namespace) -> Path:
+    return Path(args.cache_dir).expanduser() if getattr(args, "cache_dir", None) else default_cache_dir()
+
+
+def _served_artifact(args: argparse.Namespace) -> None:
+    """Point `args.artifact` at the artifact to load: the one given, or the cached export of the checkpoint given."""
+    with _quiet_third_party():  # the exporter's torch warnings, when a first start exports
+        args.artifact = str(servable(args.artifact, _cache_dir(args), revision=args.revision))
 
 
 def _service(args: argparse.Namespace):
@@ -112,15 +134,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
-    import uvicorn
-
-    from .server.allocator import release_freed_memory
-    from .server.app import ServerOptions, create_app
     from .server.auth import is_loopback
-    from .server.connections import (AcceptFailureFilter, event_loop, guarded_http_settings, http_protocol,
-                                     raise_descriptor_limit)
+    from .server.connections import event_loop, http_protocol
+    from .server.lifecycle import PortUnavailable, bind_listener
 
     api_key = (args.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None
     if api_key is None and not is_loopback(args.host) and not args.allow_unauthenticated:
@@ -132,6 +148,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"systemone serve: {exc}", file=sys.stderr)
         return 2
+    try:  # before the model loads (or a first start exports): a busy port is found at once
+        listener = bind_listener(args.host, args.port)
+    except PortUnavailable as exc:
+        print(f"systemone serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve_on(args, listener, parser, protocol, loop, api_key)
+    finally:
+        listener.close()
+
+
+def _serve_on(args: argparse.Namespace, listener: Any, parser: str, protocol: type, loop: str,
+              api_key: str | None) -> int:
+    import logging
+
+    from .batch_rows import kept_batch_sizing
+    from .server import lifecycle
+    from .server.allocator import release_freed_memory
+    from .server.app import ServerOptions, create_app
+    from .server.connections import AcceptFailureFilter, guarded_http_settings, raise_descriptor_limit
+
     options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                             log_requests=args.log_requests, max_body_memory=args.max_body_memory,
@@ -142,34 +179,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("asyncio").addFilter(AcceptFailureFilter())
     # Connections stay below the descriptor limit (model files, media sockets and logs need some too).
     max_connections = min(args.max_connections, max(16, raise_descriptor_limit() - 256))
+    _served_artifact(args)
     released = release_freed_memory()  # before the service allocates: the settings hold from here on
     service = _service(args)
-    app = create_app(service, options)
-    _print_summary(service, args)
-    print(f"systemone serve: {'batch rows':<13} {app.state.batch_sizing.describe()}", flush=True)
-    print(f"systemone serve: {'http':<13} {parser} parser, {loop} event loop", flush=True)
-    print(f"systemone serve: {'allocator':<13} "
-          + ("buffers of 1 MiB and more unmapped when freed, up to 16 MiB kept free atop each of 2 malloc arenas"
-             if released
-             else "the C library's defaults (not glibc)"), flush=True)
     try:
+        kept = ""
+        if args.max_batch_rows is None:  # the choice kept for this artifact on this machine, else measured and kept
+            _, path, measured = kept_batch_sizing(service, _cache_dir(args), _gib_bytes(args.gpu_memory))
+            kept = f"; {'measured now, kept in' if measured else 'kept from an earlier start:'} {path}"
+        app = create_app(service, options)
+        _print_summary(service, args, port=listener.getsockname()[1])
+        print(f"systemone serve: {'batch rows':<13} {app.state.batch_sizing.describe()}{kept}", flush=True)
+        print(f"systemone serve: {'http':<13} {parser} parser, {loop} event loop", flush=True)
+        print(f"systemone serve: {'allocator':<13} "
+              + ("buffers of 1 MiB and more unmapped when freed, up to 16 MiB kept free atop each of 2 malloc arenas"
+                 if released
+                 else "the C library's defaults (not glibc)"), flush=True)
         # uvicorn's access log repeated each decision request's own line: 5.6% of the event loop's time under
         # text-only load (tiny d3 on two cores, py-spy), where the loop is what bounds requests/s.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                    timeout_graceful_shutdown=int(args.request_timeout) + 5,
-                    **guarded_http_settings(args.header_timeout, max_connections, args.max_connections_per_client,
-                                            base=protocol),
-                    loop=loop,
-                    # One over the cap: the guard keeps connections at it (a new one displacing a waiting one),
-                    # and uvicorn answers 503 from `limit_concurrency` connections on.
-                    limit_concurrency=max_connections + 1,
-                    timeout_keep_alive=5)
+        lifecycle.run_server(app, listener, app.state.in_flight.stop, log_level=args.log_level,
+                             access_log=args.access_log, timeout_graceful_shutdown=int(args.request_timeout) + 5,
+                             **guarded_http_settings(args.header_timeout, max_connections,
+                                                     args.max_connections_per_client, base=protocol),
+                             loop=loop,
+                             # One over the cap: the guard keeps connections at it (a new one displacing a waiting
+                             # one), and uvicorn answers 503 from `limit_concurrency` connections on.
+                             limit_concurrency=max_connections + 1,
+                             timeout_keep_alive=5)
     finally:
         service.close()
     return 0
 
 
-def _print_summary(service: Any, args: argparse.Namespace) -> None:
+def _print_summary(service: Any, args: argparse.Namespace, port: int) -> None:
     """What `serve` is about to serve, before uvicorn's own lines."""
     manifest = service.artifact.manifest
     aliases = f" (also answers to {', '.join(service.aliases)})" if service.aliases else ""
@@ -204,16 +246,21 @@ def _print_summary(service: Any, args: argparse.Namespace) -> None:
                        ("max model len", str(service.max_model_len)),
                        ("batch tokens", batch_tokens),
                        ("prefix reuse", reuse),
-                       ("address", f"http://{args.host}:{args.port}/v1/systemone")):
+                       ("address", f"http://{_url_host(args.host)}:{port}/v1/systemone")):
         print(f"systemone serve: {key:<13} {value}", flush=True)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import run_doctor
 
-    for line in run_doctor(args.artifact, args.device):
+    findings = run_doctor(args.artifact, args.device, _cache_dir(args))
+    for line in findings.lines:
         print(line)
-    return 0
+    return 1 if findings.serve_fails else 0
 
 
 def _print_result(args: argparse.Namespace, produce: Callable[[Any, Any], Any]) -> int:
@@ -221,6 +268,7 @@ def _print_result(args: argparse.Namespace, produce: Callable[[Any, Any], Any]) 
     from .models.errors import DecisionError, SchemaError
 
     body = _load_request(args.request)  # before the artifact's seconds of loading: a typo fails at once
+    _served_artifact(args)
     service = _service(args)
     try:
         result = produce(service, body)
@@ -238,6 +286,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from .models.errors import DecisionError, SchemaError
 
     body = _load_request(args.request)
+    _served_artifact(args)
     service = _service(args)
     try:
         prompts = service.render(body)
@@ -286,7 +335,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _runtime_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("artifact", help="an exported artifact directory")
+    parser.add_argument("artifact", metavar="MODEL",
+                        help="an exported artifact directory (it has a manifest.json), or a checkpoint: a hub id "
+                             "(owner/name) or a checkpoint directory, exported on first use into the cache "
+                             "(--cache-dir) and served from there on later starts")
+    parser.add_argument("--cache-dir", default=None,
+                        help=f"where checkpoints are exported to (default: ${CACHE_ENV}, else "
+                             "$XDG_CACHE_HOME/systemone, else ~/.cache/systemone)")
+    parser.add_argument("--revision", default=None, help="hub revision of a hub id (default: the default branch)")
     parser.add_argument("--device", default="auto", choices=DEVICES,
                         help="execution provider; one that is absent is an error")
     parser.add_argument("--form", default="auto",
@@ -355,6 +411,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or text
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the arguments is one line, not the usage of every flag before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _TopHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description's lines as written (an example per line), the commands' help as argparse wraps it."""
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -367,6 +434,16 @@ def _shape(text: str) -> tuple[int, int]:
     if not (batch.isdigit() and length.isdigit() and int(batch) > 0 and int(length) > 0):
         raise argparse.ArgumentTypeError(f"a token batch is BATCHxLENGTH, e.g. 8x1000; got {text!r}")
     return int(batch), int(length)
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535 (0: any free port), got {text!r}")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535 (0: any free port), got {value}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -396,15 +473,17 @@ def build_parser() -> argparse.ArgumentParser:
     from .loadgen import ALL_KINDS, DEFAULT_TIMEOUT_S, KINDS, PUBLISHED
 
     formatter = _HelpFormatter
-    parser = argparse.ArgumentParser(prog="systemone", description=__doc__, formatter_class=formatter)
+    parser = _Parser(prog="systemone", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=_TopHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true",
                         help="show tracebacks and third-party warnings instead of one-line errors")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
 
-    export = sub.add_parser("export", help="checkpoint (directory or hub id) -> ONNX artifact", parents=[common],
-                            formatter_class=formatter)
+    export = sub.add_parser("export", help="write a checkpoint (a directory or hub id) as an ONNX artifact "
+                            "directory, checked against torch first (needs the [export] extra; serve does this by "
+                            "itself for a checkpoint)", parents=[common], formatter_class=formatter)
     export.add_argument("source", help="a local checkpoint directory or a hub id (owner/name)")
     export.add_argument("--out", required=True, help="the artifact directory to write")
     export.add_argument("--revision", default=None, help="hub revision (None: the default branch)")
@@ -427,10 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "more at the released sizes, and holds no weights)")
     export.set_defaults(func=cmd_export)
 
-    serve = sub.add_parser("serve", help="serve POST /v1/systemone", parents=[common], formatter_class=formatter)
+    serve = sub.add_parser("serve", help="serve a model over HTTP: POST /v1/systemone, GET /v1/models, /health, "
+                           "/metrics, /docs", parents=[common], formatter_class=formatter)
     _runtime_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--port", type=_port, default=8000,
+                       help="port to bind, 1-65535; 0 takes any free port (the address line says which)")
     serve.add_argument("--api-key", default=None,
                        help=f"require Authorization: Bearer KEY (or set {API_KEY_ENV}); without one the header is "
                             "ignored")
@@ -469,17 +550,22 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=("critical", "error", "warning", "info", "debug", "trace"), help="server log level")
     serve.set_defaults(func=cmd_serve)
 
-    doctor = sub.add_parser("doctor", help="what this machine can run: onnxruntime, providers, GPU, CUDA "
-                            "libraries; with an artifact, what serve would use", parents=[common],
-                            formatter_class=formatter)
-    doctor.add_argument("artifact", nargs="?", default=None, help="an exported artifact directory (optional)")
+    doctor = sub.add_parser("doctor", help="check what this machine can run (onnxruntime, providers, GPUs, CUDA "
+                            "libraries) and, given an artifact, what serve would use; exits 1 where serve would "
+                            "fail", parents=[common], formatter_class=formatter)
+    doctor.add_argument("artifact", nargs="?", default=None, metavar="ARTIFACT",
+                        help="an exported artifact directory (optional): its forms, the provider and the rows a "
+                             "call serve would choose")
     doctor.add_argument("--device", default="auto", choices=DEVICES, help="the device serve would be asked for")
+    doctor.add_argument("--cache-dir", default=None,
+                        help=f"where serve keeps its choices (default: ${CACHE_ENV}, else $XDG_CACHE_HOME/systemone, "
+                             "else ~/.cache/systemone)")
     doctor.set_defaults(func=cmd_doctor)
 
-    bench = sub.add_parser("bench", help="the runtime against the checkpoint's own runtime (transformers with its "
-                           "default attention and flash-linear-attention where it imports) on one checkpoint and its "
-                           "artifact, side by side (needs the export extra); third-party warnings are shown",
-                           parents=[common], formatter_class=formatter)
+    bench = sub.add_parser("bench", help="time an artifact against the checkpoint's own runtime (transformers with "
+                           "its default attention and flash-linear-attention where it imports; needs the [export] "
+                           "extra), or load a running server with --serve", parents=[common],
+                           formatter_class=formatter)
     bench.add_argument("checkpoint", nargs="?", help="the checkpoint directory the artifact was exported from")
     bench.add_argument("--artifact", help="the exported artifact directory")
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides run")
@@ -531,8 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "this run's")
     bench.set_defaults(func=cmd_bench)
 
-    for name, func, text in (("ask", cmd_ask, "answer one request and print the response"),
-                             ("render", cmd_render, "print each question's prompt text and token ids")):
+    for name, func, text in (("ask", cmd_ask, "answer one request from a JSON file without a server and print "
+                                               "the response"),
+                             ("render", cmd_render, "show each question's prompt as the model reads it (text or "
+                                                    "token ids); no model name needed")):
         cmd = sub.add_parser(name, help=text, parents=[common], formatter_class=formatter)
         _runtime_options(cmd)
         cmd.add_argument("--request", required=True, help="request JSON file, or - for stdin")
@@ -577,8 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # every failure a user can cause ends here: one line, the cause named
         message = " ".join(str(exc).split()) or type(exc).__name__
-        if isinstance(exc, ModuleNotFoundError) and exc.name == "onnxruntime":
-            message = NO_ONNXRUNTIME
+        if isinstance(exc, ModuleNotFoundError):
+            message = missing_module_hint(exc.name, args.command) or message
         print(f"systemone {args.command}: error: {message} (--debug for the traceback)", file=sys.stderr)
         return 1
 

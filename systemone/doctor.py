@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .runtime.devices import EXTRAS, NO_ONNXRUNTIME, ProviderUnavailable, pick_providers
+from .install import no_onnxruntime, pip_install
+from .runtime.devices import EXTRAS, ProviderUnavailable, device_of, pick_providers
 
 FLAVOURS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-rocm", "onnxruntime-migraphx")
 # What the CUDA provider of an onnxruntime built for CUDA MAJOR loads (cuDNN 9 is the only one it takes).
@@ -92,34 +93,57 @@ def cuda_libraries(runtime: Runtime, load: Callable[[str], bool] = load_library)
     return {name.format(major=major): load(name.format(major=major)) for name in CUDA_LIBRARIES}
 
 
-def serve_choice(artifact: str | Path, device: str, providers: Sequence[str]) -> list[str]:
-    """The lines saying what `serve ARTIFACT --device DEVICE` would run: its graphs and the provider."""
-    from .runtime.artifact import ArtifactError, Manifest
+@dataclass(frozen=True)
+class Findings:
+    """The doctor's lines, and whether `serve` would fail as things stand (the command's exit status)."""
+
+    lines: list[str]
+    serve_fails: bool = False
+
+
+def serve_choice(artifact: str | Path, device: str, providers: Sequence[str]) -> Findings:
+    """What `serve ARTIFACT --device DEVICE` would run: the artifact's graphs and forms, the provider and the form
+    it would take; or why it would fail."""
+    from .runtime.artifact import PORTABLE, ArtifactError, Manifest
 
     try:
         manifest = Manifest.read(Path(artifact))
-    except ArtifactError as exc:
-        return [f"artifact: {exc}"]
+    except (ArtifactError, OSError, ValueError) as exc:
+        return Findings([f"artifact: {exc}"], serve_fails=True)
     graphs = ", ".join(f"{g.file} ({g.dtype})" for g in manifest.graphs.values())
     lines = [f"artifact: {artifact} (family {manifest.family}, source {manifest.source})", f"graphs: {graphs}"]
     try:
         chosen = pick_providers(device, providers)[0]
-        lines.append(f"serve --device {device} would use: {chosen}")
     except ProviderUnavailable as exc:
-        lines.append(f"serve --device {device} would fail: {exc}")
-    return lines
+        return Findings([*lines, f"serve --device {device} would fail: {exc}"], serve_fails=True)
+    on = device_of(chosen)
+    written = {name: form for name, form in manifest.forms.items() if form.refused is None}
+    form = next((name for name, entry in written.items() if on in entry.providers), PORTABLE)
+    lines.append(f"serve --device {device} would use: {chosen}, the {form} form")
+    forms = [f"{PORTABLE} (float32, any device)"]
+    for name, entry in manifest.forms.items():
+        if entry.refused is not None:
+            forms.append(f"{name} (refused at export: {entry.refused})")
+        else:
+            precision = ", ".join(f"{g} {p}" for g, p in entry.precisions.items()) or entry.dtype
+            forms.append(f"{name} (for {', '.join(entry.providers)}: {precision}; gate: "
+                         f"{entry.gate.get('summary', '-')})")
+    lines.append(f"forms: {'; '.join(forms)}")
+    return Findings(lines)
 
 
 def report(runtime: Runtime | None, gpus: list[str], libraries: dict[str, bool], artifact: str | None = None,
-           device: str = "auto") -> list[str]:
-    """The doctor's lines, from what was probed."""
+           device: str = "auto") -> Findings:
+    """The doctor's findings, from what was probed."""
     if runtime is None:
-        return [f"onnxruntime: {NO_ONNXRUNTIME}", f"gpu: {'; '.join(gpus) or 'none'}"]
-    flavours = ", ".join(runtime.flavours) or "unknown distribution"
+        return Findings([f"onnxruntime: {no_onnxruntime()}", f"gpu: {'; '.join(gpus) or 'none'}"], serve_fails=True)
+    # The version once; a flavour's own version only where several are installed (and may differ).
+    flavours = (", ".join(runtime.flavours) if len(runtime.flavours) > 1
+                else " ".join(runtime.flavours).split(" ")[0] or "unknown distribution")
     lines = [f"onnxruntime: {runtime.version} ({flavours})"]
     if len(runtime.flavours) > 1:
         lines.append("warning: several onnxruntime flavours share one `onnxruntime` module; keep one "
-                     f"(pip uninstall the others, then reinstall systemone-onnx[{'|'.join(EXTRAS.values())}])")
+                     f"(pip uninstall the others, then {pip_install('|'.join(EXTRAS.values()))})")
     lines.append(f"providers: {', '.join(runtime.providers)}")
     lines.append(f"gpu: {'; '.join(gpus) or 'none'}")
     if runtime.cuda_version:
@@ -128,16 +152,43 @@ def report(runtime: Runtime | None, gpus: list[str], libraries: dict[str, bool],
         missing = [name for name, found in libraries.items() if not found]
         lines.append(f"cuda libraries: {', '.join(f'{n} ' + ('found' if f else 'MISSING') for n, f in libraries.items())}")
         if missing:
-            lines.append("the CUDA provider will not start: install systemone-onnx[gpu] (it brings NVIDIA's CUDA "
-                         "and cuDNN wheels) or the system CUDA and cuDNN 9 matching the cuda build above")
+            lines.append(f"the CUDA provider will not start: {pip_install('gpu')} (it brings NVIDIA's CUDA and "
+                         "cuDNN wheels) or install the system CUDA and cuDNN 9 matching the cuda build above")
     else:
         lines.append("cuda libraries: not used (this onnxruntime has no CUDA provider)")
-    if artifact is not None:
-        lines.extend(serve_choice(artifact, device, runtime.providers))
-    return lines
+    cuda_fails = any(not found for found in libraries.values()) and device in ("auto", "cuda")
+    if artifact is None:
+        return Findings(lines, serve_fails=cuda_fails)
+    choice = serve_choice(artifact, device, runtime.providers)
+    return Findings(lines + choice.lines, serve_fails=cuda_fails or choice.serve_fails)
 
 
-def run_doctor(artifact: str | None, device: str) -> list[str]:
+def batch_rows(artifact: str, device: str, cache_dir: Path) -> Findings:
+    """Load the artifact as `serve --device DEVICE` would, and say the rows a call it would choose (kept for this
+    machine, else measured now and kept); a load that fails is what serve would meet."""
+    from .batch_rows import kept_batch_sizing
+    from .runtime.artifact import Artifact
+    from .runtime.engine import EngineOptions
+    from .runtime.service import DecisionService
+
+    try:
+        service = DecisionService(Artifact.load(artifact), EngineOptions(device=device))
+        try:
+            sizing, path, measured = kept_batch_sizing(service, cache_dir)
+        finally:
+            service.close()
+    except Exception as exc:  # whatever stops the load stops serve too
+        return Findings([f"serve --device {device} would fail: {' '.join(str(exc).split()) or type(exc).__name__}"],
+                        serve_fails=True)
+    kept = f"measured now, kept in {path}" if measured else f"kept from an earlier start: {path}"
+    return Findings([f"batch rows: {sizing.describe()}; {kept}"])
+
+
+def run_doctor(artifact: str | None, device: str, cache_dir: Path) -> Findings:
     runtime = read_runtime()
     libraries = cuda_libraries(runtime) if runtime is not None else {}
-    return report(runtime, query_gpus(), libraries, artifact, device)
+    findings = report(runtime, query_gpus(), libraries, artifact, device)
+    if artifact is None or findings.serve_fails:
+        return findings
+    rows = batch_rows(artifact, device, cache_dir)
+    return Findings(findings.lines + rows.lines, rows.serve_fails)

@@ -89,3 +89,20 @@ def d1_reference_tokenizer(d1_checkpoint):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(d1_checkpoint)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def artifact_cache(tmp_path_factory) -> Iterator[Path]:
+    """The cache `serve` exports checkpoints into and keeps its start-up choices in: the run's own, never the
+    user's ~/.cache."""
+    import os
+
+    from systemone.artifact_cache import CACHE_ENV
+
+    saved = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("systemone-cache"))
+    yield Path(os.environ[CACHE_ENV])
+    if saved is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = saved

@@ -83,3 +83,32 @@ def test_no_batch_larger_than_the_largest_captured_call_is_tried():
     rows, engine = measured(flat, captured_rows=32)
     assert rows == 32 and max(engine.tried) == 32
     assert rows_chosen(flat, captured_rows=None) == 64  # nothing captured (CPU, ROCm, --no-cuda-graphs)
+
+
+class BusyHostEngine(TimedEngine):
+    """A `TimedEngine` on a host where other work runs from `burst_at` for `burst_s` seconds, doubling every run's
+    time meanwhile."""
+
+    def __init__(self, ms_a_question: dict[int, float], clock: Clock, burst_at: float, burst_s: float):
+        super().__init__(ms_a_question, clock)
+        self.burst = (burst_at, burst_at + burst_s)
+
+    def run_rows(self, rows: list[int]) -> list[None]:
+        slowed = 2.0 if self.burst[0] <= self.clock.now < self.burst[1] else 1.0
+        self.clock.now += slowed * self.ms[len(rows)] * len(rows) / 1000
+        return [None] * len(rows)
+
+
+def test_a_burst_of_other_work_on_the_host_does_not_change_the_choice():
+    """Five starts of one artifact on a busy host, each meeting a burst of other work at another moment of its
+    measurement, choose the same rows (before the sizes were timed in interleaved rounds, they chose 8, 1, 2, 1
+    and 32 on a real host)."""
+    knee = {1: 7.8, 2: 5.0, 4: 3.8, 8: 3.1, 16: 3.05, 32: 3.1, 64: 3.12}  # the tiny d3 graph's shape, two cores
+    chosen = []
+    for burst_at in (0.0, 0.05, 0.15, 0.3, 0.6):
+        clock = Clock()
+        engine = BusyHostEngine(knee, clock, burst_at=burst_at, burst_s=0.15)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(batch_sizing.time, "perf_counter", clock)
+            chosen.append(measure_batch_rows(engine).rows)
+    assert chosen == [64] * 5

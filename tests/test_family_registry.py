@@ -156,14 +156,13 @@ def test_a_third_family_is_served_end_to_end(toy_artifact):
 
 def test_serve_describes_a_family_without_media_or_shared_batches(toy_artifact, monkeypatch, capsys):
     """Media and shared batches are optional in a family's engine: `serve` says they are absent, and starts."""
-    import uvicorn
-
     from systemone import cli
+    from systemone.server import lifecycle
 
     monkeypatch.setattr(cli, "_service", lambda args: DecisionService(Artifact.load(toy_artifact, REGISTRY),
                                                                      EngineOptions(device="cpu")))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
-    assert cli.main(["serve", str(toy_artifact), "--device", "cpu"]) == 0
+    monkeypatch.setattr(lifecycle, "run_server", lambda app, listener, stop, **kwargs: None)
+    assert cli.main(["serve", str(toy_artifact), "--device", "cpu", "--port", "0"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "systemone serve: proxy         none: this family takes no media" in lines
     assert "systemone serve: batch tokens  one request a call: this family's engine shares no batches" in lines

@@ -65,3 +65,32 @@ def test_the_documented_schema_does_not_parse_bodies(d3_service):
     assert client.post("/v1/systemone", json={"state": 1, "questions": question, "extra": 1}).status_code == 200
     response = client.post("/v1/systemone", json={"state": 1, "questions": []})
     assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "questions"]
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_the_docs_pages_load_every_asset_from_the_server_itself(d3_service, page):
+    """Offline, as this server often runs: the page names no other host, and every script, style and icon it names,
+    and the schema it reads, come from the server."""
+    import re
+
+    client = TestClient(create_app(d3_service))
+    html = client.get(page)
+    assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
+    referenced = set(re.findall(r'(?:src|href)="([^"]+)"', html.text)) | set(re.findall(r"url: '([^']+)'", html.text))
+    referenced |= set(re.findall(r'spec-url="([^"]+)"', html.text))
+    assert "/openapi.json" in referenced and len(referenced) >= 3, referenced
+    assert not re.search(r"https?://", html.text), "the page names another host"
+    for url in referenced:
+        asset = client.get(url)
+        assert asset.status_code == 200 and len(asset.content) > 100, url
+        if url.endswith(".js"):
+            assert "javascript" in asset.headers["content-type"], url
+    assert "requestBody" in client.get("/openapi.json").json()["paths"]["/v1/systemone"]["post"]
+
+
+def test_with_an_api_key_no_docs_page_or_asset_is_served(d3_service):
+    from systemone.server.app import ServerOptions
+
+    client = TestClient(create_app(d3_service, ServerOptions(api_key="k")))
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs-assets/swagger-ui-bundle.js"):
+        assert client.get(path).status_code == 404, path
