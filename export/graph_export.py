@@ -59,9 +59,10 @@ class TracedGraph:
         return onnx.ModelProto.FromString(self.model)
 
 
-# A virtual weight this small may be read while the graph is traced (the optimizer's shape inference reads small
-# constants); a larger one read there is a fault of the tracer, which would hold the model after all.
-READABLE_WHILE_TRACED = 1024
+# A virtual weight this small may be read while the graph is traced (the optimizer reads small constants, and its
+# rewrite rules a bias vector: d3-nano's vision attention reads its 3,072); a larger one read there is a fault of
+# the tracer, which would hold the model after all.
+READABLE_WHILE_TRACED = 1 << 16
 
 
 def _virtual_class():
