@@ -103,6 +103,39 @@ def _constant_value(value):
     return None
 
 
+def _infer_outputs(node, inputs: list, constants: list) -> bool:
+    """Give `node`'s outputs the static shapes and dtypes onnx's shape inference finds from its inputs' (the
+    exporter leaves a weight's transpose untyped); whether every output has them now."""
+    import onnx
+    import onnx_ir as ir
+
+    names = [f"in{i}" for i in range(len(inputs))]
+    proto = ir.serde.serialize_node(node)
+    proto.input[:] = [name if value is not None else "" for name, value in zip(names, inputs)]
+    types, data = {}, {}
+    for name, value, constant in zip(names, inputs, constants):
+        if value is None or constant is None:
+            continue
+        dims = [int(d) for d in constant.shape.numpy()]
+        types[name] = onnx.helper.make_tensor_type_proto(constant.dtype.value, dims)
+        if constant.size <= READABLE_WHILE_TRACED and not _is_virtual(value):
+            data[name] = ir.serde.serialize_tensor(constant)
+            data[name].name = name
+    try:
+        schema = onnx.defs.get_schema(node.op_type, OPSET, node.domain)
+        found = onnx.shape_inference.infer_node_outputs(schema, proto, types, data)
+    except Exception:  # noqa: BLE001 - an op inference cannot type is left to run as it is
+        return False
+    for out, name in zip(node.outputs, proto.output):
+        tensor = found.get(name)
+        if tensor is None or not tensor.tensor_type.HasField("shape") or \
+                any(not d.HasField("dim_value") for d in tensor.tensor_type.shape.dim):
+            return False
+        out.shape = ir.Shape([d.dim_value for d in tensor.tensor_type.shape.dim])
+        out.dtype = ir.DataType(tensor.tensor_type.elem_type)
+    return True
+
+
 def fold_weight_nodes(model, book: WeightBook, make: Any) -> int:
     """Each node that reads only constants, a virtual weight among them, becomes virtual weights of its own (a
     `Derived` recipe a output), in graph order so that a chain folds whole. Returns how many nodes were folded."""
@@ -121,7 +154,8 @@ def fold_weight_nodes(model, book: WeightBook, make: Any) -> int:
         if any(value is not None and constant is None for value, constant in zip(inputs, constants)):
             continue
         if not all(out.shape is not None and out.shape.is_static() and out.dtype is not None for out in node.outputs):
-            continue
+            if not _infer_outputs(node, inputs, constants):
+                continue
         names = []
         for index, (value, constant) in enumerate(zip(inputs, constants)):
             if value is None:
@@ -188,10 +222,15 @@ def trace_graph(spec: GraphSpec, tensors: CheckpointTensors,
             continue
         book.add(name, recipe)
         value.const_value = virtual(name, value.dtype, value.shape, name, make)
+    # Folded, optimized, folded again where the optimizer made a weight's other inputs constants (a slice's
+    # bounds computed from static shapes), until nothing of the weights is left to fold.
     fold_weight_nodes(model, book, make)
-    with _rewrite_rules_without(skipped_rules):
-        onnxscript.optimizer.optimize_ir(
-            model, should_fold=lambda node: False if any(_is_virtual(v) for v in node.inputs) else None)
+    while True:
+        with _rewrite_rules_without(skipped_rules):
+            onnxscript.optimizer.optimize_ir(
+                model, should_fold=lambda node: False if any(_is_virtual(v) for v in node.inputs) else None)
+        if not fold_weight_nodes(model, book, make):
+            break
     recipes_by_name = {}
     for name, value in model.graph.initializers.items():
         if _is_virtual(value):

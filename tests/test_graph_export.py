@@ -203,3 +203,20 @@ def test_the_values_between_a_stacks_pieces_keep_their_types(d3_checkpoint):
     between = ["front/hidden", "front/update", *(f"layers.{i}/next_{name}" for i in range(layers - 1)
                                                  for name in ("hidden", "update"))]
     assert {name: typed.get(name) for name in between} == {name: onnx.TensorProto.FLOAT for name in between}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_weight_is_reshaped_when_the_graph_runs(d3_checkpoint, fused):
+    """Every node that reads only weights and constants (a weight's transpose, slice or `1 + w`) is folded into a
+    weight of its own at export, as the optimizer folds it, so that the form's weights are written in its dtype
+    and nothing of them is computed again at each call."""
+    config = _config(d3_checkpoint)
+    for spec in config.graphs(fused=fused):
+        graph = trace_graph(spec, config.skeleton.tensors).proto().graph
+        weights = {t.name for t in graph.initializer if recipe_of(t) is not None}
+        constants = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant"
+                                                            for o in n.output}
+        unfolded = [node.name for node in graph.node if node.op_type not in ("Constant", "Scan", "Loop", "If")
+                    and any(name in weights for name in node.input)
+                    and all(not name or name in constants for name in node.input)]
+        assert unfolded == [], (spec.name, unfolded[:5])
