@@ -152,9 +152,11 @@ def reference_service(checkpoint: Path, artifact_dir: Path, device: str = "cpu",
 
     entry = FAMILIES.recognise(checkpoint)
     artifact = Artifact.load(artifact_dir)
-    # Any form will do (its graphs are never run): the portable one, or a CUDA form named outright.
-    form = "auto" if artifact.forms_for("cpu") else next(iter(artifact.written_forms()))
-    service = DecisionService(artifact, EngineOptions(device="cpu", form=form), served_model_names,
+    # Our engine prepares the requests; its graphs are never run. Opened on the CPU where the artifact has the
+    # portable graphs; a CUDA-only artifact's fused ops have no CPU kernels in onnxruntime-gpu, so it is opened
+    # on the device.
+    on = "cpu" if artifact.forms_for("cpu") else device
+    service = DecisionService(artifact, EngineOptions(device=on), served_model_names,
                               media_processes=default_processes() if media_processes is None else media_processes)
     reference = entry.load_export_config()(checkpoint)
     model_class = type(reference.skeleton.model)  # served as a user loads it, not as the export's fp32 reference
