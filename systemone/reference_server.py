@@ -148,7 +148,7 @@ def reference_service(checkpoint: Path, artifact_dir: Path, device: str = "cpu",
                       served_model_names: list[str] | None = None,
                       media_processes: int | None = None) -> DecisionService:
     """A service whose engine is the checkpoint's own runtime (`dtype` auto: bf16 on CUDA, fp32 on the CPU); the
-    ONNX graphs are opened on the CPU and never run."""
+    ONNX graphs are never run."""
 
     entry = FAMILIES.recognise(checkpoint)
     artifact = Artifact.load(artifact_dir)
