@@ -82,8 +82,10 @@ class CheckpointTensors:
         dtype = _SAFETENSORS_DTYPES.get(tensor.dtype)
         if dtype is None:
             raise WeightError(f"{tensor.path}: {key!r} has dtype {tensor.dtype}, which export does not read")
-        if dtype == "bfloat16":
-            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(tensor.shape)
+        if dtype == "bfloat16":  # torch's cast: exact, and threaded
+            import torch
+
+            return torch.from_numpy(raw).view(torch.bfloat16).float().numpy().reshape(tensor.shape)
         return raw.view(dtype).reshape(tensor.shape)
 
 
@@ -211,16 +213,44 @@ def graph_tensors(model) -> Iterator:
     yield from walk(model.graph)
 
 
+# fp16's smallest positive subnormal and largest finite value: what onnxruntime's float16 converter clamps a weight
+# into (0, inf and NaN kept), so that a weight is never rounded to zero or to infinity.
+FP16_MIN_POSITIVE, FP16_MAX = 5.96e-08, 65504.0
+_CHUNK = 1 << 26  # values converted at a time: a weight's temporaries stay a few hundred MB whatever its size
+
+
+def _to_float16(values: np.ndarray) -> np.ndarray:
+    """`values` in fp16 as onnxruntime's converter writes a weight (`convert_np_to_float16`): magnitudes strictly
+    between 0 and fp16's smallest positive value raised to it, finite magnitudes above its largest lowered to it,
+    signs kept, then rounded to nearest. With torch's kernels, a chunk at a time, and the raise done after the
+    cast where it matters (a nonzero value the cast made zero): a few passes where the converter makes a dozen."""
+    import torch
+
+    flat = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+    out = torch.empty(flat.shape, dtype=torch.float16)
+    smallest = torch.tensor(FP16_MIN_POSITIVE, dtype=torch.float16)
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start:start + _CHUNK]
+        if bool(torch.isfinite(part).all()):
+            part = part.clamp(-FP16_MAX, FP16_MAX)
+        else:  # infinities and NaN kept as they are
+            size = part.abs()
+            part = torch.where((size > FP16_MAX) & torch.isfinite(size),
+                               torch.copysign(torch.tensor(FP16_MAX), part), part)
+        half = part.to(torch.float16)
+        lost = (half == 0) & (part != 0)  # below half fp16's smallest subnormal: the converter keeps it off zero
+        if bool(lost.any()):
+            half = torch.where(lost, torch.copysign(smallest, part).to(torch.float16), half)
+        out[start:start + _CHUNK] = half
+    return out.numpy().reshape(values.shape)
+
+
 def _as_dtype(values: np.ndarray, data_type: int, name: str) -> np.ndarray:
     import onnx
     from onnx.helper import tensor_dtype_to_np_dtype
 
     if data_type == onnx.TensorProto.FLOAT16 and values.dtype != np.float16:
-        from onnxruntime.transformers.float16 import convert_np_to_float16
-
-        # As onnxruntime's float16 converter writes a weight: clamped into fp16's range, never to 0 or inf.
-        return np.concatenate([convert_np_to_float16(part.astype(np.float32)) for part in
-                               np.array_split(values.reshape(-1), max(1, values.size >> 24))]).reshape(values.shape)
+        return _to_float16(values)
     if data_type == onnx.TensorProto.BFLOAT16:
         wide = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
         # Round to nearest even, as torch's bfloat16 cast does.

@@ -220,3 +220,16 @@ def test_no_weight_is_reshaped_when_the_graph_runs(d3_checkpoint, fused):
                     and any(name in weights for name in node.input)
                     and all(not name or name in constants for name in node.input)]
         assert unfolded == [], (spec.name, unfolded[:5])
+
+
+def test_weights_are_rounded_to_fp16_bit_for_bit_as_onnxruntimes_converter_rounds_them():
+    from onnxruntime.transformers.float16 import convert_np_to_float16
+
+    from systemone.export.weights import _to_float16
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([
+        rng.standard_normal(5000).astype(np.float32) * np.float32(10.0) ** rng.integers(-12, 7, 5000),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65505, 70000, -70000, 5.96e-8, 5e-8, -5e-8, 1e-30],
+                 np.float32)]).reshape(-1, 3)
+    assert np.array_equal(_to_float16(values).view(np.uint16), convert_np_to_float16(values).view(np.uint16))
