@@ -229,7 +229,8 @@ def test_a_form_that_fails_its_gate_is_not_written_and_the_next_one_is_tried(d3_
     traces = []
     real_trace = graph_export_module.trace_graph
     monkeypatch.setattr(graph_export_module, "trace_graph",
-                        lambda spec, tensors: traces.append(spec.translations is not None) or real_trace(spec, tensors))
+                        lambda spec, tensors, *rest: (spec.stack is not None and traces.append(
+                            spec.translations is not None)) or real_trace(spec, tensors, *rest))
     out = tmp_path / "art"
     shutil.copytree(d3_artifact, out)
     refused_names = ["cuda-fused-fp16", "cuda-fused-mixed"]
@@ -346,9 +347,10 @@ def test_the_mixed_fused_form_keeps_the_delta_rules_output_in_fp16_through_the_g
 
 def test_the_mixed_fused_form_adds_each_blocks_output_to_the_stream_inside_the_next_norm(mixed_fused_text,
                                                                                             d3_checkpoint):
-    """Every norm of the residual stream after the first is one `SkipSimplifiedLayerNormalization` node: it reads
-    the fp32 stream and the block's output, writes the norm and the new stream in fp32, and its mean and deviation
-    go unnamed; no separate sum of the stream is left."""
+    """Every norm of the residual stream is one `SkipSimplifiedLayerNormalization` node (the first sums in the
+    front's zeros, so that every layer is the same block): it reads the fp32 stream and the block's output, writes
+    the norm and the new stream in fp32, and its mean and deviation go unnamed; no separate sum of the stream is
+    left."""
     from systemone.export.d3.config import D3ExportConfig
 
     half = mixed_fused_text
@@ -356,7 +358,7 @@ def test_the_mixed_fused_form_adds_each_blocks_output_to_the_stream_inside_the_n
     types = {v.name: v.type.tensor_type.elem_type for v in [*half.value_info, *half.input, *half.output]}
     types.update({t.name: t.data_type for t in half.initializer})
     norms = [n for n in half.node if n.op_type == "SkipSimplifiedLayerNormalization"]
-    assert len(norms) == 2 * layers  # the post-mixer norm of each layer, then the next layer's (or the final) one
+    assert len(norms) == 2 * layers + 1  # each layer's two norms, then the final one
     for norm in norms:
         assert norm.domain == "com.microsoft"
         assert [types[name] for name in (*norm.input, norm.output[0], norm.output[3])] == [onnx.TensorProto.FLOAT] * 5
@@ -572,14 +574,14 @@ def test_the_past_attention_node_reads_the_past_and_its_own_row_up_to_itself(pas
 def test_the_d1_fused_forms_text_attention_is_one_node_a_layer_reading_the_past(d1_artifact):
     """Each LFM2 attention layer of d1's fused text graph is one MultiHeadAttention node: fp16 query, key and value
     with the past as its past inputs, causal (`unidirectional`), no mask; no Softmax (no scores) is left. Each
-    layer's residual sum runs inside the next norm."""
+    layer's residual sums run inside its norms (the first sums in the front's zeros)."""
     half, attention = fused_attention_nodes(d1_artifact, "text", "cuda-fused-fp16")
     for node in attention:
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attributes["unidirectional"] == 1
         assert node.input[3:6] == ["", "", ""] and node.input[6] and node.input[7]
     layers = len(Artifact.load(d1_artifact).manifest.model["layer_types"])
-    assert sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in half.graph.node) == 2 * layers - 1
+    assert sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in half.graph.node) == 2 * layers
 
 
 @pytest.mark.parametrize("graph", ["text.onnx", "text.cuda-fused-fp16.onnx"])
