@@ -142,8 +142,8 @@ class ExportConfig(ABC):
         """The model's positions."""
 
     @abstractmethod
-    def graphs(self) -> list[GraphSpec]:
-        """The graphs to export, in order."""
+    def graphs(self, fused: bool = False) -> list[GraphSpec]:
+        """The graphs to export, in order; `fused`: as the fused CUDA forms write them (onnxruntime's fused ops)."""
 
     @abstractmethod
     def write_runtime_files(self, staging: Path) -> RuntimeFiles:

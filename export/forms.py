@@ -34,9 +34,9 @@ def remove_form_files(root: Path, files: dict[str, str]) -> None:
 
 
 def form_keys(form: HalfForm) -> dict[str, tuple[str, ...]]:
-    """The trace each graph of `form` converts: its own (fused) one, or the portable graph's."""
-    return {graph: ("form", form.name, graph) if graph in form.sources else ("portable", graph)
-            for graph in form.graphs}
+    """The trace each graph of `form` converts: the fused one (every fused rung of a ladder converts the same
+    fused graphs, traced once), or the portable graph's."""
+    return {graph: ("fused", graph) if graph in form.sources else ("portable", graph) for graph in form.graphs}
 
 
 def form_steps(forms: list[HalfForm]) -> int:
@@ -53,7 +53,7 @@ def start_form_traces(config: ExportConfig, forms: list[HalfForm], exports: Grap
 
 def traced_source(config: ExportConfig, exports: GraphExports, form: HalfForm, graph: str) -> TracedGraph:
     key = form_keys(form)[graph]
-    spec = form.sources[graph] if key[0] == "form" else next(s for s in config.graphs() if s.name == graph)
+    spec = form.sources[graph] if key[0] == "fused" else next(s for s in config.graphs() if s.name == graph)
     return exports.wait(key, spec)
 
 

@@ -272,15 +272,13 @@ def _copy_recipe(source: WeightBook, target: WeightBook, name: str) -> None:
 
 
 # Which graph of a checkpoint's export config a spec is, by name, so that a worker process can build it again:
-# ("portable", graph) or ("form", form, graph) for a graph the form exports itself.
+# ("portable", graph), or ("fused", graph) for the graph the fused forms write with onnxruntime's fused ops.
 SpecKey = tuple[str, ...]
 
 
 def spec_of(config: ExportConfig, key: SpecKey) -> GraphSpec:
     """The spec `key` names in `config`."""
-    if key[0] == "portable":
-        return next(spec for spec in config.graphs() if spec.name == key[1])
-    return next(form for form in config.forms() if form.name == key[1]).sources[key[2]]
+    return next(spec for spec in config.graphs(fused=key[0] == "fused") if spec.name == key[1])
 
 
 def _trace_in_worker(config_class: type, checkpoint: str, key: SpecKey, seed: int) -> TracedGraph:
