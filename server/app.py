@@ -40,7 +40,7 @@ from .body import BodyTimeout, NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
 from .schema import ROUTE_DOCS, document_request_body
-from .body_memory import BodyMemory, parsed_size_bound
+from .body_memory import BodyCharge, BodyMemory, BodyMemoryFull, parsed_size_bound
 
 log = logging.getLogger("systemone.server")
 
@@ -64,6 +64,7 @@ class ServerOptions:
 
 
 INLINE_BOUND_BYTES = 64 << 10  # bodies whose parsed-size bound the event loop counts itself (about 0.15 ms)
+READY_BODY_ROOM = 1 << 20  # /ready says busy while less of the body budget than this could be charged
 
 
 async def client_gone(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
@@ -142,13 +143,17 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        """503 while a new request could not be taken: every slot and queue place held, or every media worker
-        busy with more media waiting."""
+        """503 while a new request could not be taken: every slot and queue place held, every media worker busy
+        with more media waiting, or too little of the body budget free for a small body (after cutting off the
+        bodies that may be)."""
         pool = service.media_pool
         media_full = pool.running >= pool.workers and pool.queued > 0
-        body = {"status": "busy" if admission.full or media_full else "ready", "running": admission.running,
-                "queued": admission.queued, "media_running": pool.running, "media_queued": pool.queued}
-        return JSONResponse(body, status_code=503 if admission.full or media_full else 200)
+        bodies_full = body_memory.room() < READY_BODY_ROOM
+        busy = admission.full or media_full or bodies_full
+        body = {"status": "busy" if busy else "ready", "running": admission.running,
+                "queued": admission.queued, "media_running": pool.running, "media_queued": pool.queued,
+                "body_memory_free": body_memory.room()}
+        return JSONResponse(body, status_code=503 if busy else 200)
 
     @app.get("/metrics", response_model=None)
     async def metrics_endpoint(request: Request) -> PlainTextResponse | JSONResponse:
@@ -208,6 +213,27 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
                  response.status_code, questions, usage, seconds)
         return response
 
+    async def _receive(request: Request, charge: BodyCharge, cut_off: asyncio.Future[BodyMemoryFull],
+                       deadline: Deadline) -> bytes:
+        """The body, charged as it arrives; under the request's deadline too (a client that drips its body is cut
+        off: 408), and ended at once when the body memory cuts it off to make room for others (503)."""
+        reading = asyncio.ensure_future(read_capped(request.stream(), request.headers.get("content-length"),
+                                                    options.max_body_bytes, charge))
+        try:
+            done, _ = await asyncio.wait((reading, cut_off), timeout=deadline.timeout(),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not reading.done():
+                reading.cancel()
+                await asyncio.gather(reading, return_exceptions=True)
+        if reading in done:
+            raw = reading.result()
+            charge.received()
+            return raw
+        if cut_off.done():
+            raise cut_off.result()
+        raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s (--request-timeout)")
+
     async def _answer(request: Request, request_id: str | None) -> dict[str, Any]:
         check_bearer(request.headers.get("authorization"), options.api_key)
         if not _is_json(request.headers.get("content-type")):
@@ -245,14 +271,10 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
             return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media, draft)
 
         try:
-            with body_memory.charge() as charge:  # what the body holds, from its first byte until it is prepared
-                try:  # the body is under the request's deadline too: a client that drips its body is cut off
-                    raw = await asyncio.wait_for(read_capped(request.stream(), request.headers.get("content-length"),
-                                                             options.max_body_bytes, charge.at_least),
-                                                 deadline.timeout())
-                except asyncio.TimeoutError:
-                    raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s "
-                                      "(--request-timeout)") from None
+            cut_off: asyncio.Future[BodyMemoryFull] = loop.create_future()  # the body cut off to make room
+            # What the body holds, from its first byte until it is prepared.
+            with body_memory.charge(lambda error: cut_off.done() or cut_off.set_result(error)) as charge:
+                raw = await _receive(request, charge, cut_off, deadline)
                 encoding = request.headers.get("content-encoding")
                 if encoding:  # inflated first (at most the body cap), so the body is charged at its real size
                     charge.at_least(len(raw) + options.max_body_bytes)
