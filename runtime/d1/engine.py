@@ -162,13 +162,16 @@ class D1Engine(Engine):
         def check_first(question: Question, text: str) -> None:
             # Spec 3.9's second rule on the first prompt alone (render_texts checked its characters), before any
             # other is rendered or tokenized: a state too long for the model costs one copy and one tokenization.
-            first.extend(self.tokenizer.encode(text))
-            self._check_tokens(len(first))
+            first.extend(self.tokenizer.encode(text, self._check_tokens))
 
         texts = render_texts(self.artifact.template, self.family, request, questions,
                              lambda question, length: self._check_characters(length),
                              self.max_model_len * self.max_chars_per_token, check_first)
-        return Tokenized(texts, [first, *self.tokenizer.encode_sharing(texts[0], first, texts[1:])])
+        # Every other prompt's characters were checked as it was rendered; its tokens are checked as it is
+        # tokenized, before the prompts after it are (a short first question and long others cost one of them).
+        rest = self.tokenizer.encode_checked(texts[0], first, texts[1:],
+                                             lambda index, count: self._check_tokens(count))
+        return Tokenized(texts, [first, *rest])
 
     def prepare(self, request: DecisionRequest, questions: list[Question],
                 images: LoadedMedia[Lfm2Image] | None = None, draft: Tokenized | None = None) -> Prepared:

@@ -90,13 +90,15 @@ class D3Engine(Engine):
                              self.max_model_len * self.max_chars_per_token)
         tokenizer = self.artifact.tokenizer
         # The first prompt is tokenized and checked alone: every prompt holds the state, so one too long for the
-        # model is refused before the others are tokenized (spec 4.12 names the first question that fails).
+        # model is refused before the others are tokenized (spec 4.12 names the first question that fails). Every
+        # prompt's characters were checked as it was rendered.
         if media is None:
-            first = tokenizer.encode(texts[0])
-            self._check_tokens(questions[0], len(first))
+            first = tokenizer.encode(texts[0], lambda count: self._check_tokens(questions[0], count))
+            # Each other prompt is checked as it is tokenized, before the prompts after it are.
+            rest = tokenizer.encode_checked(texts[0], first, texts[1:],
+                                            lambda index, count: self._check_tokens(questions[index + 1], count))
             prompts = [RenderedPrompt(q, t, ids, text_positions(len(ids)))
-                       for q, t, ids in zip(questions, texts,
-                                            [first, *tokenizer.encode_sharing(texts[0], first, texts[1:])])]
+                       for q, t, ids in zip(questions, texts, [first, *rest])]
             prepared_media = None
         else:
             # Spec 4.8: the first prompt is split after its last <|vision_end|>; that media prefix, tokenized
@@ -106,9 +108,11 @@ class D3Engine(Engine):
                 raise DecisionError("the questions' prompts do not share their media")
             layouts = [self.media.layout(item) for item in media.in_order()]
             prefix = expand_media(tokenizer.encode(texts[0][:split]), layouts, tokenizer.encode, tokenizer.token_id)
-            first = tokenizer.encode(texts[0][split:])
-            self._check_tokens(questions[0], len(prefix.ids) + len(first))
-            tails = [first, *tokenizer.encode_sharing(texts[0][split:], first, [t[split:] for t in texts[1:]])]
+            first = tokenizer.encode(texts[0][split:],
+                                     lambda count: self._check_tokens(questions[0], len(prefix.ids) + count))
+            tails = [first, *tokenizer.encode_checked(
+                texts[0][split:], first, [t[split:] for t in texts[1:]],
+                lambda index, count: self._check_tokens(questions[index + 1], len(prefix.ids) + count))]
             prompts = []
             for question, text, tail in zip(questions, texts, tails):
                 ids = prefix.ids + tail
