@@ -20,7 +20,7 @@ Under a bounded arena (--gpu-memory) the measurement stops at the largest batch 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -35,6 +35,7 @@ MOST_ROWS = 64
 NOISE = 1.05
 REPEATS = 3  # timed runs a batch size (the fastest counts), after one untimed run of the new shape
 TIME_LIMIT_S = 5.0  # the measurement stops trying larger batches past this
+LONG_LENGTH = 1024  # tokens of the one long row timed for the cost of attention's token pairs
 
 
 class TooLittleDeviceMemory(RuntimeError):
@@ -46,11 +47,17 @@ class BatchSizing:
     rows: int
     length: int = TYPICAL_LENGTH
     seconds: dict[int, float] = field(default_factory=dict)  # one call's fastest time at each batch size tried
+    long: tuple[int, float] | None = None  # one row of a long prompt: its length and fastest time
 
     @property
     def cost(self) -> CallCost | None:
-        """The call's cost model fitted to the timings (None with fewer than two batch sizes timed)."""
-        return fit_call_cost({batch * self.length: s for batch, s in self.seconds.items()})
+        """The call's cost model fitted to the timings (None with fewer than two batch sizes timed), its part per
+        token pair from the long row's time over what its tokens alone explain."""
+        cost = fit_call_cost({batch * self.length: s for batch, s in self.seconds.items()})
+        if cost is None or self.long is None:
+            return cost
+        length, seconds = self.long
+        return replace(cost, pair_s=max(0.0, (seconds - cost.fixed_s - cost.token_s * length) / length**2))
 
     def describe(self) -> str:
         if not self.seconds:
@@ -118,4 +125,25 @@ def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int =
         if time.perf_counter() - started > time_limit_s:
             break
         batch *= 2
-    return BatchSizing(best, length, seconds)
+    return BatchSizing(best, length, seconds, _long_row(engine, length))
+
+
+def _long_row(engine: Engine, short: int) -> tuple[int, float] | None:
+    """One row of LONG_LENGTH tokens (or the longest the engine and its budget take) timed, for the part of a
+    call's time that grows with its tokens' pairs; None where it is no longer than the rows timed already."""
+    length = min(LONG_LENGTH, engine.max_model_len, engine.budget.max_batch_tokens)
+    while length > short and not engine.budget.fits(1, length):
+        length //= 2
+    if length <= 2 * short:
+        return None
+    row = [engine.probe_row(length)]
+    try:
+        engine.run_rows(row)
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            engine.run_rows(row)
+            times.append(time.perf_counter() - start)
+    except DeviceMemoryExhausted:
+        return None
+    return length, min(times)

@@ -58,6 +58,7 @@ class ServerOptions:
     max_body_bytes: int = 64 << 20
     log_requests: bool = False
     parse_workers: int = 4  # threads that decode bodies, check requests and tokenize (never wait on media)
+    heavy_parse_workers: int = 1  # threads that render and tokenize requests of long texts (HEAVY_TEXT_BYTES)
     max_body_memory: int = 1 << 30  # what bodies may hold before admission (server/body_memory.py)
     max_batch_rows: int | None = None  # rows a text-graph call; None: measured at start-up (runtime/batch_sizing.py)
     batch_wait_ms: float = 1.0  # how long a call that could take more rows waits for them
@@ -65,6 +66,14 @@ class ServerOptions:
 
 INLINE_BOUND_BYTES = 64 << 10  # bodies whose parsed-size bound the event loop counts itself (about 0.15 ms)
 READY_BODY_ROOM = 1 << 20  # /ready says busy while less of the body budget than this could be charged
+# A body with more than this outside its media URLs is prepared in the long-text lane: its rendering and tokenizing
+# may take seconds (a state of a million CJK characters: 2.2 s to tokenize on two cores).
+HEAVY_TEXT_BYTES = 128 << 10
+
+
+def text_bytes(raw: bytes, request: Any) -> int:
+    """A body's bytes outside its media URLs: about the text its prompts are made of."""
+    return len(raw) - sum(len(url) for url in (*(request.images or ()), *(request.videos or ())))
 
 
 async def client_gone(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
@@ -92,7 +101,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     # On a GPU the vision graph runs beside the text calls (its launches overlap theirs); on the CPU both would
     # share the same few cores.
     scheduler = Scheduler(service.engine, sizing.rows, options.batch_wait_ms / 1000,
-                          media_lane=service.provider != CPU)
+                          media_lane=service.provider != CPU, cost=sizing.cost)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -120,6 +129,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     app = FastAPI(title="systemone-onnx", version="0.1.0", lifespan=lifespan, **docs)
     admission = Admission(options.max_concurrency, options.max_queue)
     parsing = ThreadPoolExecutor(options.parse_workers, thread_name_prefix="systemone-parse")
+    heavy_lane = ThreadPoolExecutor(options.heavy_parse_workers, thread_name_prefix="systemone-parse-long")
     body_memory = BodyMemory(options.max_body_memory)
     metrics = Metrics()
     started = int(time.time())
@@ -250,25 +260,34 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
                 log.info("request %s body %s", request_id or "-", json.dumps(body, ensure_ascii=False)[:10000])
             return service.validate(body)
 
-        def parse_text(raw: bytes) -> tuple[Any, list[Any], Prepared | None]:
-            # A request without media is parsed and prepared in one trip to a parsing thread (each trip is event
-            # loop work: a future, a wake-up and its callbacks).
+        def parse_text(raw: bytes) -> tuple[Any, list[Any], bool, Prepared | None]:
+            # A light request without media is parsed and prepared in one trip to a parsing thread (each trip is
+            # event loop work: a future, a wake-up and its callbacks).
             checked, questions = parse(raw)
-            prepared = None if service.has_media(checked) else service.prepare_loaded(checked, questions, None)
-            return checked, questions, prepared
+            heavy = text_bytes(raw, checked) > HEAVY_TEXT_BYTES
+            if heavy or service.has_media(checked):
+                return checked, questions, heavy, None
+            return checked, questions, heavy, service.prepare_loaded(checked, questions, None, None, deadline)
 
         async def prepare(raw: bytes) -> Prepared:
             # Every check runs here (media read, prompts and labels included), before the request takes a slot.
             # Parsing threads never wait on media: the media pool's jobs are awaited on the event loop.
-            checked, questions, prepared = await loop.run_in_executor(parsing, parse_text, raw)
+            checked, questions, heavy, prepared = await loop.run_in_executor(parsing, parse_text, raw)
             if prepared is not None:
                 return prepared
+            # Long texts are rendered and tokenized in their own lane, so that requests of ordinary size never
+            # queue behind them for a parsing thread.
+            lane = heavy_lane if heavy else parsing
+            if not service.has_media(checked):
+                return await loop.run_in_executor(lane, service.prepare_loaded, checked, questions, None, None,
+                                                  deadline)
             # The prompts are drafted in a parsing thread while the media load (runtime/media_pool.py, MediaLoad).
             loading = service.media_pool.begin(service.engine.media, checked, deadline)
             draft, media = await loading.with_draft_async(
-                loop.run_in_executor(parsing, service.engine.draft, checked, questions))
+                loop.run_in_executor(lane, service.engine.draft, checked, questions))
             deadline.check()
-            return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media, draft)
+            return await loop.run_in_executor(lane, service.prepare_loaded, checked, questions, media, draft,
+                                              deadline)
 
         try:
             cut_off: asyncio.Future[BodyMemoryFull] = loop.create_future()  # the body cut off to make room
