@@ -157,7 +157,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
         with more media waiting, or too little of the body budget free for a small body (after cutting off the
         bodies that may be)."""
         pool = service.media_pool
-        media_full = pool.running >= pool.workers and pool.queued > 0
+        media_full = pool.saturated
         bodies_full = body_memory.room() < READY_BODY_ROOM
         busy = admission.full or media_full or bodies_full
         body = {"status": "busy" if busy else "ready", "running": admission.running,
