@@ -9,7 +9,7 @@ the chunk a prefix is prefilled in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -45,9 +45,12 @@ class CallCost:
     fixed_s: float
     token_s: float
     floor_s: float = 0.0
+    # A part per pair of tokens a row's attention reads (its new tokens times its past and new ones): what makes a
+    # long prompt, or a chunk on a long prefix, cost more than its tokens (0 where not measured).
+    pair_s: float = 0.0
 
-    def seconds(self, batch: int, length: int) -> float:
-        return max(self.floor_s, self.fixed_s + self.token_s * batch * length)
+    def seconds(self, batch: int, length: int, past: int = 0) -> float:
+        return max(self.floor_s, self.fixed_s + batch * length * (self.token_s + self.pair_s * (past + length)))
 
     @property
     def call_s(self) -> float:
@@ -61,8 +64,12 @@ class CallCost:
 
     def describe(self) -> str:
         floor = f", at least {self.floor_s * 1000:.2f} ms" if self.floor_s > self.fixed_s else ""
-        return f"{self.fixed_s * 1000:.2f} ms a call + {self.token_s * 1e6:.2f} us a padded token{floor}"
+        pairs = f" + {self.pair_s * 1e9:.2f} ns a token pair" if self.pair_s else ""
+        return f"{self.fixed_s * 1000:.2f} ms a call + {self.token_s * 1e6:.2f} us a padded token{pairs}{floor}"
 
+
+# Tokens a prefix chunk may always take, however slow the cost model says they are.
+SLICE_FLOOR = 256
 
 # Before start-up measures a call (or where nothing does: export's gates, `ask`): a call's fixed part worth 32
 # padded tokens, so a 26-option choice's suffix and a yes/no's go in separate calls, as on a CPU, and a prefix is read
@@ -75,21 +82,35 @@ class BatchBudget:
     max_batch_tokens: int = MAX_BATCH_TOKENS
     attention_budget: int = 4 << 30
     heads: int = 1
+    # The longest a call of several rows, or a chunk of a prefix, may take by the measured cost model: a large
+    # request's work is split into calls about this long, so other requests' calls run between them (None: calls
+    # are bounded by memory alone).
+    slice_s: float | None = None
 
     def fits(self, batch: int, length: int, past: int = 0) -> bool:
         return (batch * length <= self.max_batch_tokens
                 and attention_bytes(batch, length, past, self.heads) <= self.attention_budget)
 
+    def within_slice(self, batch: int, length: int, past: int = 0, cost: CallCost | None = None) -> bool:
+        """Whether a call of `batch` rows stays within the time slice (one row always does: a row is not split)."""
+        return batch == 1 or cost is None or self.slice_s is None or cost.seconds(batch, length, past) <= self.slice_s
+
     def longest_prompt(self) -> int:
         """The longest prompt one row may read at once within the attention budget."""
         return int((self.attention_budget / attention_bytes(1, 1, 0, self.heads)) ** 0.5)
 
-    def chunk_length(self, past: int) -> int:
-        """The longest run of new tokens one row may add after `past` tokens within both budgets (at least one)."""
+    def chunk_length(self, past: int, cost: CallCost | None = None) -> int:
+        """The longest run of new tokens one row may add after `past` tokens within both budgets (at least one) and,
+        with a measured `cost`, within the time slice (at least SLICE_FLOOR tokens, so a prefix always advances)."""
+        def fits(length: int) -> bool:
+            return self.fits(1, length, past) and (
+                cost is None or self.slice_s is None or length <= SLICE_FLOOR
+                or cost.seconds(1, length, past) <= self.slice_s)
+
         low, high = 1, self.max_batch_tokens
         while low < high:  # fits() falls as the run grows
             mid = (low + high + 1) // 2
-            low, high = (mid, high) if self.fits(1, mid, past) else (low, mid - 1)
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
         return low
 
     def plan(self, lengths: Sequence[int], past: int = 0, cost: CallCost | None = None) -> list[list[int]]:
@@ -112,7 +133,7 @@ class BatchBudget:
         for end in range(1, len(order) + 1):
             for first in range(end - 1, -1, -1):
                 size, longest = end - first, lengths[order[first]]
-                if size > 1 and not self.fits(size, longest, past):
+                if size > 1 and not (self.fits(size, longest, past) and self.within_slice(size, longest, past, cost)):
                     break  # a longer run holds this one: it does not fit either
                 seconds = best[first] + cost.seconds(size, longest)
                 if seconds <= best[end]:  # a tie goes to the longer run: fewer calls
@@ -186,6 +207,15 @@ class MediaRows:
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {"media_embeds": self.embeds, "media_index": self.positions}
+
+
+def drive(steps: Generator[None, None, R]) -> R:
+    """What a generator of steps returns, its steps run one after another (no other work between them)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def run_in_halves(run: Callable[[Sequence[T]], Sequence[R]], items: Sequence[T]) -> list[R | DeviceMemoryExhausted]:

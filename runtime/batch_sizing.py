@@ -25,7 +25,7 @@ start's choice for the artifact on the machine (systemone/batch_rows.py, docs/de
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,8 @@ NOISE = 1.05
 ROUNDS = 5  # timed runs a batch size, one a round (the fastest counts), after one untimed run of the new shape
 MIN_ROUNDS = 2  # even where the time limit has passed
 TIME_LIMIT_S = 5.0  # no larger batch is tried past half of this, and no further round past it
+REPEATS = 3  # timed runs of the long row (the fastest counts), after one untimed run
+LONG_LENGTH = 1024  # tokens of the one long row timed for the cost of attention's token pairs
 
 
 class TooLittleDeviceMemory(RuntimeError):
@@ -53,18 +55,27 @@ class BatchSizing:
     rows: int
     length: int = TYPICAL_LENGTH
     seconds: dict[int, float] = field(default_factory=dict)  # one call's fastest time at each batch size tried
+    long: tuple[int, float] | None = None  # one row of a long prompt: its length and fastest time
 
     @property
     def cost(self) -> CallCost | None:
-        """The call's cost model fitted to the timings (None with fewer than two batch sizes timed)."""
-        return fit_call_cost({batch * self.length: s for batch, s in self.seconds.items()})
+        """The call's cost model fitted to the timings (None with fewer than two batch sizes timed), its part per
+        token pair from the long row's time over what its tokens alone explain."""
+        cost = fit_call_cost({batch * self.length: s for batch, s in self.seconds.items()})
+        if cost is None or self.long is None:
+            return cost
+        length, seconds = self.long
+        return replace(cost, pair_s=max(0.0, (seconds - cost.fixed_s - cost.token_s * length) / length**2))
 
     def to_dict(self) -> dict[str, object]:
-        return {"rows": self.rows, "length": self.length, "seconds": {str(b): s for b, s in self.seconds.items()}}
+        return {"rows": self.rows, "length": self.length, "seconds": {str(b): s for b, s in self.seconds.items()},
+                "long": list(self.long) if self.long is not None else None}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> BatchSizing:
-        return cls(int(raw["rows"]), int(raw["length"]), {int(b): float(s) for b, s in raw["seconds"].items()})
+        long = raw.get("long")
+        return cls(int(raw["rows"]), int(raw["length"]), {int(b): float(s) for b, s in raw["seconds"].items()},
+                   (int(long[0]), float(long[1])) if long else None)
 
     def describe(self) -> str:
         if not self.seconds:
@@ -138,4 +149,25 @@ def measure_batch_rows(engine: Engine, length: int = TYPICAL_LENGTH, most: int =
         if seconds / batch > NOISE * min(s / b for b, s in seconds_kept.items()):
             break  # slower a question than noise explains: larger batches would only be slower still
         best = batch
-    return BatchSizing(best, length, seconds_kept)
+    return BatchSizing(best, length, seconds_kept, _long_row(engine, length))
+
+
+def _long_row(engine: Engine, short: int) -> tuple[int, float] | None:
+    """One row of LONG_LENGTH tokens (or the longest the engine and its budget take) timed, for the part of a
+    call's time that grows with its tokens' pairs; None where it is no longer than the rows timed already."""
+    length = min(LONG_LENGTH, engine.max_model_len, engine.budget.max_batch_tokens)
+    while length > short and not engine.budget.fits(1, length):
+        length //= 2
+    if length <= 2 * short:
+        return None
+    row = [engine.probe_row(length)]
+    try:
+        engine.run_rows(row)
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            engine.run_rows(row)
+            times.append(time.perf_counter() - start)
+    except DeviceMemoryExhausted:
+        return None
+    return length, min(times)

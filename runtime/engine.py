@@ -15,6 +15,7 @@ row, and runs whole those with images or with a shared prefix worth prefilling o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from .media_encoder import LoadedMedia, MediaEncoder
 from .media_fetch import FetchPolicy
 from .prompt import RenderedPrompt
 from .session import GraphSession
+from .tokenizer import shared_prefix
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class EngineOptions:
     # Read a request's shared prefix once for its questions where that saves more than the call it adds (d1,
     # causal d3); False: every question's whole prompt, as a row of its own (--no-prefix-reuse).
     prefix_reuse: bool = True
+    # The longest a call of several rows, or a chunk of a long prefix, should take by the measured call cost, so
+    # that a large request's work is split into parts and other requests' calls run between them (BatchBudget).
+    slice_s: float | None = 0.1
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class Engine(ABC):
     encodes_media_apart: bool = False
     budget: BatchBudget | None = None  # the budget every text-graph call stays within (engines that share batches)
     reads_prefixes: bool = False  # whether its text graph carries state, so a shared prefix can be read once
+    call_cost: CallCost | None = None  # measured at start-up (`use_call_cost`)
 
     @abstractmethod
     def __init__(self, artifact: Artifact, options: EngineOptions):
@@ -93,6 +99,37 @@ class Engine(ABC):
         it already (None: the run encodes its media itself; only engines with `encodes_media_apart` are given
         one)."""
 
+    def run_steps(self, prepared: Prepared, run_options: Any = None, encoded: Any = None
+                  ) -> Generator[None, None, list[Readout]]:
+        """`run` as steps: a generator that yields between its graph calls and returns the readouts, so that the
+        scheduler runs other requests' calls between the parts of a request run whole. One step by default."""
+        return self.run(prepared, run_options) if encoded is None else self.run(prepared, run_options, encoded)
+        yield  # a generator, with no step before it returns
+
+    def seconds(self, prepared: Prepared) -> float | None:
+        """About how long the request's graph calls take on their own, by the call cost measured at start-up
+        (None before it is measured): its prefix prefilled and questions read on it where it runs whole with a
+        prefix read once, else each question's whole prompt. Its vision graph is not counted."""
+        cost = self.call_cost
+        if cost is None or self.budget is None or not prepared.prompts:
+            return None
+        lengths = [len(p.token_ids) for p in prepared.prompts]
+        split = (shared_prefix([p.token_ids for p in prepared.prompts])
+                 if self.reads_prefixes and self.runs_whole(prepared) else 0)
+        seconds, past = 0.0, 0
+        while past < split:
+            chunk = min(self.budget.chunk_length(past, cost), split - past)
+            seconds += cost.seconds(1, chunk, past)
+            past += chunk
+        return seconds + sum(cost.seconds(1, n - split, split) for n in lengths)
+
+    def slow_row(self, lengths: Sequence[int]) -> bool:
+        """Whether a prompt of one of `lengths` would take one call longer than the time slice, by the measured
+        cost: an engine whose graph carries state reads it in chunks instead (as a request run whole)."""
+        cost, budget = self.call_cost, self.budget
+        return (cost is not None and budget is not None and budget.slice_s is not None
+                and any(cost.seconds(1, n) > budget.slice_s for n in lengths))
+
     def runs_whole(self, prepared: Prepared) -> bool:
         """Whether the scheduler runs this request with `run`, on its own, rather than as rows sharing calls."""
         return not self.shares_batches
@@ -104,7 +141,8 @@ class Engine(ABC):
 
     def use_call_cost(self, cost: CallCost) -> None:
         """The text graph's call cost measured at start-up (runtime/batch_sizing.py), by which the engine groups
-        rows of different lengths into calls; an engine that plans no calls of its own ignores it."""
+        rows of different lengths into calls and `seconds` weighs a request."""
+        self.call_cost = cost
 
     # -- rows that share batches across requests (engines with `shares_batches`) ----------------------------
     def encode_media(self, prepared: Prepared, run_options: Any = None) -> Any:

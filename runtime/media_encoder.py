@@ -46,6 +46,14 @@ class MediaEncoder(ABC, Generic[Item]):
     def jobs(self, request: DecisionRequest) -> list[tuple[Hashable, str]]:
         """(key, where) of every media input in prompt order; `where` names it in errors ("images[0]")."""
 
+    def url(self, key: Hashable) -> str:
+        """The URL a job's key loads (a key is its URL unless the family's encoder says otherwise)."""
+        return key if isinstance(key, str) else ""
+
+    def remote(self, key: Hashable) -> bool:
+        """Whether a job fetches over the network (http or https), and so may wait on another server."""
+        return self.url(key).split(":", 1)[0].strip().lower() in ("http", "https")
+
     @abstractmethod
     def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance,
                  workers: PixelWorkers) -> Item:

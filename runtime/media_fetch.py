@@ -36,10 +36,14 @@ from .media_proxy import MediaProxy, ProxySettings
 USER_AGENT = "systemone-onnx"
 MAX_REDIRECTS = 5
 READ_CHUNK = 64 << 10
-# IPv6 ranges that carry an IPv4 address in their last 32 bits (IPv4-compatible, IPv4-translated SIIT, NAT64 well
-# known and local-use prefixes): on a NAT64/SIIT network they reach that IPv4 address, so they are judged by it.
-_EMBEDS_IPV4_LOW32 = tuple(ipaddress.ip_network(n) for n in ("::/96", "::ffff:0:0:0/96", "64:ff9b::/96",
-                                                               "64:ff9b:1::/48"))
+# IPv6 ranges that carry an IPv4 address in their last 32 bits (IPv4-translated SIIT, the NAT64 well-known prefix):
+# on a NAT64/SIIT network they reach that IPv4 address, so they are judged by it, 64:ff9b:: itself by 0.0.0.0.
+_EMBEDS_IPV4_LOW32 = tuple(ipaddress.ip_network(n) for n in ("::ffff:0:0:0/96", "64:ff9b::/96"))
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated; :: and ::1 are not among its IPv4 addresses
+# Never a media server, whatever Python's table says: 192.0.0.0/24 is for protocol assignments (its anycast
+# 192.0.0.9 and 192.0.0.10 count as global there), and the NAT64 local-use prefix 64:ff9b:1::/48 may embed an IPv4
+# address at any of RFC 6052's offsets, which the network alone knows.
+_NEVER_PUBLIC = tuple(ipaddress.ip_network(n) for n in ("192.0.0.0/24", "64:ff9b:1::/48"))
 
 
 def system_resolver(host: str, port: int) -> list[str]:
@@ -98,13 +102,16 @@ def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
         return ip.sixtofour
     if ip.teredo:
         return ip.teredo[1]
-    if any(ip in network for network in _EMBEDS_IPV4_LOW32) and int(ip) & 0xFFFFFFFF:
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    low32 = int(ip) & 0xFFFFFFFF
+    if any(ip in network for network in _EMBEDS_IPV4_LOW32) or (ip in _IPV4_COMPATIBLE and low32 > 1):
+        return ipaddress.IPv4Address(low32)
     return None
 
 
 def _public(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if any(ip.version == network.version and ip in network for network in _NEVER_PUBLIC):
+        return False
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.is_site_local:  # fec0::/10, deprecated (RFC 3879) but still routed inside some sites
             return False
@@ -329,28 +336,33 @@ def _read_body(response: http.client.HTTPResponse, limit: int, where: str,
             raise _too_large(where, limit)
         if allowance is not None:
             allowance.take_bytes(declared, where, keep=False)
-    parts, size, taken = [], 0, 0
+    # One buffer grown in place: past 1 MiB glibc maps it apart and unmaps it when it is freed, where a list of
+    # 64 KiB chunks was scattered over the heap and stayed resident (40 downloads refused at 256 MiB left the
+    # server at 5.3 GB).
+    body, taken = bytearray(), 0
     try:
         while True:
-            room = limit - size if allowance is None else min(limit - size, allowance.bytes_left())
+            room = limit - len(body) if allowance is None else min(limit - len(body), allowance.bytes_left())
             chunk = response.read1(min(READ_CHUNK, max(room, 0) + 1))
             if not chunk:
                 break
-            size += len(chunk)
-            if size > limit:
+            if len(body) + len(chunk) > limit:
                 raise _too_large(where, limit)
             if allowance is not None:
                 allowance.take_bytes(len(chunk), where)
                 taken += len(chunk)
-            parts.append(chunk)
-        if declared is not None and size < declared:  # http.client ends such a body quietly
-            raise _Transient(where, f"Failed to fetch media from URL: the connection closed after {size:,} of "
-                                    f"{declared:,} bytes")
+            body += chunk
+        if declared is not None and len(body) < declared:  # http.client ends such a body quietly
+            raise _Transient(where, f"Failed to fetch media from URL: the connection closed after {len(body):,} "
+                                    f"of {declared:,} bytes")
     except BaseException:
+        # Freed now, not when the error is: the error's traceback keeps this frame, and so the buffer, for as
+        # long as the request holds the error.
+        body.clear()
         if allowance is not None:  # a body cut short is not downloaded: a retry's bytes count once
             allowance.give_back_bytes(taken)
         raise
-    return b"".join(parts)
+    return bytes(body)
 
 
 def _get(url: str, where: str, policy: FetchPolicy, fetch_deadline: Deadline,

@@ -31,10 +31,11 @@ def render_texts(template: ChatTemplate, family: Family, request: DecisionReques
     """Each question's chat text: the family's messages rendered with its template variables; a template that
     refuses the conversation is the client's 400 with the template's own message (spec 3.3).
 
-    The first question's prompt is checked before any other is rendered (`check_characters` on its length, which
-    refuses more than `max_chars`, then `check_first` on its text): every prompt holds the state, so a state too
-    long for the model is refused after one copy of it, not one per question. A state whose text the family
-    would not make within `max_chars` is refused on its length alone."""
+    Every prompt's length is checked as it is rendered (`check_characters`, which refuses more than `max_chars`),
+    so a prompt too long is refused before any after it is rendered, and before the caller tokenizes any but the
+    first. The first is also checked on its text (`check_first`, which tokenizes it) before any other is rendered:
+    every prompt holds the state, so a state too long for the model is refused after one copy of it, not one per
+    question. A state whose text the family would not make within `max_chars` is refused on its length alone."""
     kwargs = family.template_kwargs(request)
 
     def render(question: Question, state_text: str) -> str:
@@ -53,9 +54,8 @@ def render_texts(template: ChatTemplate, family: Family, request: DecisionReques
     texts = []
     for question in questions:
         texts.append(render(question, state_text))
-        if len(texts) == 1:
-            if check_characters is not None:
-                check_characters(question, len(texts[0]))
-            if check_first is not None:
-                check_first(question, texts[0])
+        if check_characters is not None:
+            check_characters(question, len(texts[-1]))
+        if len(texts) == 1 and check_first is not None:
+            check_first(question, texts[0])
     return texts

@@ -4,7 +4,9 @@
 Requests arrive prepared (checked, media loaded, prompts tokenized). In the engine thread:
 
 - a request its engine runs whole (`Engine.runs_whole`: d1's with images, or with several questions on a prefix
-  worth prefilling once as its own state) is one job, after its vision job in the media lane where there is one;
+  worth prefilling once as its own state) is a job a step of its run (`Engine.run_steps`: a prefix chunk, a batch
+  of its reads, each about `BatchBudget.slice_s` long), after its vision job in the media lane where there is one;
+  each step takes its turn in the order below as a row does, so other requests' calls run between its steps;
 - otherwise a request with media first runs its vision graph, in a vision job (in the media lane's thread where
   there is one, so that no text call waits behind a vision run and the two graphs' runs overlap); then its rows
   join the queue (a text-only request's rows join at once);
@@ -16,8 +18,13 @@ Requests arrive prepared (checked, media loaded, prompts tokenized). In the engi
   cannot hold back a one-question request that arrives after it, and a stream of new requests cannot hold back
   the later rows of one already waiting. The first row in that order anchors the call; later ones join it while
   it has fewer than `batch_rows` rows, their lengths stay within FILL of its longest (padding costs as much as real
-  tokens) and it fits the engine's budget (padded tokens and attention memory). While the call could take more
-  rows, it waits up to `batch_wait_s` after its rows became ready for other requests' rows to arrive.
+  tokens) and it fits the engine's budget (padded tokens, attention memory, and the time slice by the measured
+  call cost). While the call could take more rows, it waits up to `batch_wait_s` after its rows became ready for
+  other requests' rows to arrive.
+
+- a row too long for the time slice that the engine cannot split (a bidirectional d3 prompt of thousands of
+  tokens: one call of seconds on a CPU) runs in the long lane, a thread of its own, beside the engine thread's
+  calls, so that no other request waits for it to end.
 
 A request is answered when its last row returns. A call or vision job the device memory (--gpu-memory) cannot
 hold runs again in smaller parts, and only a request whose own row or media does not fit alone fails (a 503). A
@@ -33,7 +40,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from itertools import islice
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +50,7 @@ import onnxruntime as ort
 
 from ..models.errors import DeviceMemoryExhausted, Unavailable
 from ..models.family import Readout
-from .batch import TextRow, run_in_halves
+from .batch import CallCost, TextRow, run_in_halves
 from .deadline import Deadline
 from .engine import Engine, Prepared
 
@@ -64,8 +72,10 @@ class _Ticket:
     deadline: Deadline
     future: Future
     arrival: int
-    stage: str  # "whole" (one job), "media" (its vision job first), "rows" (rows queued or in flight)
+    stage: str  # "whole" (jobs of its run's steps), "media" (its vision job first), "rows" (rows queued or in flight)
     encoded: Any = None  # its media's vision output, where the media lane ran it before its whole run
+    steps: Generator[None, None, list[Readout]] | None = None  # its whole run, once begun (`Engine.run_steps`)
+    options: Any = None  # the RunOptions its whole run's steps share (set to stop them)
     pending: deque[tuple[int, TextRow]] = field(default_factory=deque)
     readouts: list[Readout | None] = field(default_factory=list)
     start: int = 0  # the scheduler's virtual time when it arrived: its first row's place in the order
@@ -89,17 +99,24 @@ class _Call:
     options: Any
 
 
-TEXT, MEDIA = "text", "media"  # the lanes: the engine thread, and the vision graph's own where there is one
+# The lanes: the engine thread; the vision graph's own, where there is one; and one for the rows too long for the
+# time slice that the engine cannot split (a bidirectional d3 prompt), run beside the engine thread's calls.
+TEXT, MEDIA, LONG = "text", "media", "long"
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, batch_rows: int = 1, batch_wait_s: float = 0.001, media_lane: bool = False):
+    def __init__(self, engine: Engine, batch_rows: int = 1, batch_wait_s: float = 0.001, media_lane: bool = False,
+                 cost: CallCost | None = None):
         if batch_rows < 1 or batch_wait_s < 0:
             raise ValueError(f"batch_rows must be >= 1 (got {batch_rows}) and batch_wait_s >= 0 (got {batch_wait_s})")
         self.engine = engine
         self.batch_rows = batch_rows
         self.batch_wait_s = batch_wait_s
+        self.cost = cost  # the call cost measured at start-up: a call of several rows stays within the time slice
         self.lanes = (TEXT, MEDIA) if media_lane and engine.encodes_media_apart else (TEXT,)
+        budget = engine.budget
+        if cost is not None and budget is not None and budget.slice_s is not None and engine.shares_batches:
+            self.lanes += (LONG,)
         self._cond = threading.Condition()
         self._tickets: list[_Ticket] = []
         self._arrivals = 0
@@ -228,7 +245,23 @@ class Scheduler:
                 self._cond.wait(wait_s)
 
     def _serves(self, lane: str, ticket: _Ticket) -> bool:
+        if lane == LONG:
+            return ticket.stage != "whole"  # its rows, queued or to come after its media
         return lane == TEXT or ticket.stage == MEDIA
+
+    def _long(self, row: TextRow) -> bool:
+        """A row whose one call would take longer than the time slice: the long lane runs it, beside the others."""
+        return LONG in self.lanes and self.cost.seconds(1, row.length) > self.engine.budget.slice_s
+
+    def _takes(self, ticket: _Ticket, lane: str) -> int:
+        """How many of the ticket's next rows the lane may take (in order): the leading rows that are not long for
+        the engine thread, the next row if it is long for the long lane."""
+        count = 0
+        for _, row in islice(ticket.pending, self.batch_rows if lane == TEXT else 1):
+            if self._long(row) != (lane == LONG):
+                break
+            count += 1
+        return count
 
     def _pick(self, lane: str) -> tuple[Callable[[], None] | None, float | None]:
         """The lane's next job, or how long to wait for more rows to join a call that is not full yet."""
@@ -240,7 +273,16 @@ class Scheduler:
                 return None, None
             return self._job(first_job, jobs, lane), 0.0
         candidates = sorted(((t.key(i), t, i) for t in self._tickets if t.stage == "rows"
-                             for i in range(min(len(t.pending), self.batch_rows))), key=lambda c: c[0])
+                             for i in range(self._takes(t, lane))), key=lambda c: c[0])
+        if lane == LONG:
+            if not candidates:
+                return None, None
+            ticket = candidates[0][1]
+            self._virtual = max(self._virtual, ticket.key()[0])
+            index, row = ticket.pending.popleft()
+            ticket.taken += 1
+            self._cond.notify_all()  # its next rows may be the engine thread's now
+            return self._batch([(ticket, index, row)], LONG), 0.0
         if first_job is not None and (not candidates or first_job.key() <= candidates[0][0]):
             self._virtual = max(self._virtual, first_job.key()[0])
             return self._job(first_job, jobs, lane), 0.0
@@ -257,7 +299,9 @@ class Scheduler:
             index, row = ticket.pending.popleft()  # a ticket's rows are taken in order: candidates ran in order
             ticket.taken += 1
             taken.append((ticket, index, row))
-        return self._batch(taken), 0.0
+        if LONG in self.lanes:
+            self._cond.notify_all()  # a ticket's next row may be the long lane's now
+        return self._batch(taken, TEXT), 0.0
 
     def _group(self, candidates: list[tuple[_Ticket, int]]) -> tuple[list[tuple[_Ticket, int]], bool]:
         """The anchor and the candidates that join it, and whether the call is full (no more rows, or the budget
@@ -281,7 +325,8 @@ class Scheduler:
             wide, narrow = max(longest, n), min(shortest, n)
             if narrow < FILL * wide:
                 continue
-            if budget is not None and not budget.fits(len(call) + 1, wide):
+            if budget is not None and not (budget.fits(len(call) + 1, wide)
+                                           and budget.within_slice(len(call) + 1, wide, 0, self.cost)):
                 full = True
                 continue
             call.append(candidate)
@@ -297,20 +342,31 @@ class Scheduler:
         return self._media_job([first, *waiting[:MEDIA_BATCH - 1]], lane)
 
     def _whole_job(self, ticket: _Ticket, lane: str) -> Callable[[], None]:
+        """The next step of `ticket`'s whole run (a prefix chunk, a batch of its reads): between two steps the
+        request waits its turn again, so other requests' calls run between the parts of a large one."""
         ticket.stage = "running"
 
         def run() -> None:
-            options = self._start([ticket], lane)
-            try:  # `encoded` only where the media lane ran it (engines that encode apart)
-                readouts = (self.engine.run(ticket.prepared, options) if ticket.encoded is None
-                            else self.engine.run(ticket.prepared, options, ticket.encoded))
+            ticket.options = self._start([ticket], lane, ticket.options)
+            try:
+                if ticket.steps is None:  # `encoded` only where the media lane ran it (engines that encode apart)
+                    ticket.steps = (self.engine.run_steps(ticket.prepared, ticket.options) if ticket.encoded is None
+                                    else self.engine.run_steps(ticket.prepared, ticket.options, ticket.encoded))
+                next(ticket.steps)
+            except StopIteration as done:
+                with self._cond:
+                    del self._in_flight[lane]
+                    ticket.readouts = list(done.value)
+                    self._finish(ticket)
+                return
             except Exception as exc:  # noqa: BLE001 - the request's caller gets it (a stopped run included)
                 self._fail([ticket], lane, exc)
                 return
             with self._cond:
                 del self._in_flight[lane]
-                ticket.readouts = list(readouts)
-                self._finish(ticket)
+                ticket.stage = "whole"
+                ticket.taken += 1  # its next step waits behind the rows and steps now before it in the order
+                self._cond.notify_all()
         return run
 
     def _media_job(self, tickets: list[_Ticket], lane: str) -> Callable[[], None]:
@@ -361,18 +417,18 @@ class Scheduler:
                 encoded.append(None)
         return encoded
 
-    def _batch(self, taken: list[tuple[_Ticket, int, TextRow]]) -> Callable[[], None]:
+    def _batch(self, taken: list[tuple[_Ticket, int, TextRow]], lane: str) -> Callable[[], None]:
         def run() -> None:
             tickets = list(dict.fromkeys(t for t, _, _ in taken))
-            options = self._start(tickets, TEXT)
+            options = self._start(tickets, lane)
             try:
                 readouts = run_in_halves(lambda rows: self.engine.run_rows(list(rows), options),
                                          [row for _, _, row in taken])
             except Exception as exc:  # noqa: BLE001 - every request in the call gets it
-                self._fail(tickets, TEXT, exc)
+                self._fail(tickets, lane, exc)
                 return
             with self._cond:
-                del self._in_flight[TEXT]
+                del self._in_flight[lane]
                 for (ticket, index, _), readout in zip(taken, readouts, strict=True):
                     if isinstance(readout, DeviceMemoryExhausted):
                         if ticket in self._tickets:
@@ -391,8 +447,8 @@ class Scheduler:
             for ticket in tickets:
                 self._finish(ticket, error=error)
 
-    def _start(self, tickets: list[_Ticket], lane: str) -> Any:
-        options = ort.RunOptions()
+    def _start(self, tickets: list[_Ticket], lane: str, options: Any = None) -> Any:
+        options = options if options is not None else ort.RunOptions()
         with self._cond:
             self._in_flight[lane] = _Call(tickets, options)
         return options

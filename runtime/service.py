@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..models.errors import DecisionError, ModelFault, ModelNotFound, NotSupported
+from ..models.errors import DecisionError, ModelFault, ModelNotFound, NotSupported, TooLarge
 from ..models.family import Readout
 from ..models.questions import Question, parse_questions
 from ..models.request import DecisionRequest, parse_request
@@ -43,6 +43,10 @@ class MediaLimits:
 # TypeSafe's SDK sends this name unless told otherwise, and jevcompat's MUST `request.model-alias` requires it to
 # reach the served model; responses still report the served name.
 DEFAULT_ALIASES = ("jev-latest",)
+
+
+class TooSlow(TooLarge):
+    """A request whose graph calls alone would take longer than its deadline leaves: it could never be answered."""
 
 
 def new_request_id() -> str:
@@ -154,10 +158,24 @@ class DecisionService:
         return self.media_pool.load(self.engine.media, request, deadline)
 
     def prepare_loaded(self, request: DecisionRequest, questions: list[Question],
-                       media: LoadedMedia[Any] | None, draft: Any = None) -> Prepared:
+                       media: LoadedMedia[Any] | None, draft: Any = None, deadline: Deadline | None = None
+                       ) -> Prepared:
         """Prompts and labels on the loaded media (and the engine's `draft` of the request, if made); no graph has
-        run."""
-        return self.engine.prepare(request, questions, media, draft)
+        run. With a `deadline`, a request whose graph calls alone would take longer than it has left, at the rate
+        measured at start-up, is refused (`TooSlow`) rather than run until its deadline."""
+        prepared = self.engine.prepare(request, questions, media, draft)
+        if deadline is not None:
+            self.check_time(prepared, deadline)
+        return prepared
+
+    def check_time(self, prepared: Prepared, deadline: Deadline) -> None:
+        seconds = self.engine.seconds(prepared)
+        left = deadline.remaining()
+        if seconds is not None and seconds > left:
+            tokens = sum(len(p.token_ids) for p in prepared.prompts)
+            raise TooSlow(f"this request's {tokens:,} prompt tokens would take the model about {seconds:.1f} s at "
+                          f"the rate measured at start-up, more than the {left:.1f} s left of its "
+                          f"{deadline.seconds:g} s (--request-timeout); send a shorter state or fewer questions")
 
     def prepare(self, body: Any, deadline: Deadline | None = None) -> Prepared:
         """Every check the request must pass, media read, prompts and labels ready; no graph has run. The prompts

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer, models
+from tokenizers import Encoding, Tokenizer, models
 
 # The split patterns of LFM2 (d1) and Qwen3.5 (d3). In either, an ASCII letter or digit followed by ASCII punctuation
 # is a boundary between pieces, and no piece before it depends on text more than two characters after it.
@@ -28,6 +28,14 @@ LOCAL_SPLITS = frozenset({
 BEFORE, AFTER = frozenset(string.ascii_letters + string.digits), frozenset(string.punctuation)
 # How far back from where the prompts part a shared start is looked for; past it each prompt is encoded whole.
 SEARCH_CHARS = 256
+# The tokenizers library holds the GIL through `encode` and lets go of it only in `encode_batch`: a text longer
+# than this is encoded as a batch of one, so the event loop keeps answering (1M CJK characters: 2.2 s, the loop held
+# for 2.2 s by `encode`, for 36 ms at most by `encode_batch`). Shorter texts keep `encode`, which costs less a call.
+GIL_FREE_CHARS = 4096
+# Texts with at most this many characters of their own together are tokenized in one batch before any is checked.
+CHECK_ALL_AT_ONCE_CHARS = 256 << 10
+
+Checks = Callable[[int, int], None]  # (a text's index, its token count): raises for a prompt too long
 
 
 def _state(component: object | None) -> dict | None:
@@ -85,30 +93,70 @@ class PromptTokenizer:
         added = self._tokenizer.get_added_tokens_decoder().values()
         self._margin = max((len(token.content) for token in added), default=0) + 3
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, check: Callable[[int], None] | None = None) -> list[int]:
+        """`text`'s ids; `check` is given their count first, and may refuse a text too long before its ids are made
+        (2.9 million of them took 0.19 s, the GIL held)."""
+        if len(text) > GIL_FREE_CHARS:  # the batch call lets the other threads (the event loop) run meanwhile
+            encoding = self._encodings([text])[0]
+        else:
+            encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        if check is not None:
+            check(len(encoding))
+        return encoding.ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return self._ids(texts)
 
-    def encode_sharing(self, head: str, head_ids: Sequence[int], texts: Sequence[str]) -> list[list[int]]:
+    def _encodings(self, texts: list[str]) -> list[Encoding]:
+        """Every batch goes through here (the tokenizers library lets go of the GIL for it)."""
+        return self._tokenizer.encode_batch(texts, add_special_tokens=False)
+
+    def _ids(self, texts: list[str], before: int = 0, check: Checks | None = None, first: int = 0
+             ) -> list[list[int]]:
+        """Each text's ids, `check(first + i, before + count)` given the i-th text's count before its ids are
+        made."""
+        out = []
+        for index, encoding in enumerate(self._encodings(texts)):
+            if check is not None:
+                check(first + index, before + len(encoding))
+            out.append(encoding.ids)
+        return out
+
+    def encode_sharing(self, head: str, head_ids: Sequence[int], texts: Sequence[str], check: Checks | None = None,
+                       first: int = 0) -> list[list[int]]:
         """The ids of `texts`, as `encode_batch` gives them, where `head_ids` are `head`'s. Texts that start as
         `head` does take `head_ids` up to a cut in that start (an ASCII letter or digit, then ASCII punctuation,
         far enough from where they part) and are encoded only from there; the cut is used where `head`'s own ids
-        end with its rest's encoding, that is where it falls between two of `head`'s tokens."""
+        end with its rest's encoding, that is where it falls between two of `head`'s tokens. `check(first + i,
+        count)` is given each text's count before its ids are made."""
         if not self.share_starts or not texts:
-            return self.encode_batch(list(texts))
+            return self._ids(list(texts), 0, check, first)
         shared = min(common_start(head, text) for text in texts) - self._margin
         cut = next((c for c in range(shared, max(shared - SEARCH_CHARS, 0), -1)
                     if head[c - 1] in BEFORE and head[c] in AFTER), None)
         if cut is None:
-            return self.encode_batch(list(texts))
+            return self._ids(list(texts), 0, check, first)
         rest = self.encode(head[cut:])
         kept = len(head_ids) - len(rest)
         if kept <= 0 or list(head_ids[kept:]) != rest:
-            return self.encode_batch(list(texts))
+            return self._ids(list(texts), 0, check, first)
         start = list(head_ids[:kept])
-        return [start + ids for ids in self.encode_batch([text[cut:] for text in texts])]
+        return [start + ids for ids in self._ids([text[cut:] for text in texts], kept, check, first)]
+
+    def encode_checked(self, head: str, head_ids: Sequence[int], texts: Sequence[str], check: Checks
+                       ) -> list[list[int]]:
+        """`encode_sharing`'s ids of `texts`, each text's token count passed to `check(index, count)` (which refuses
+        a prompt too long) before the texts after it are encoded. Texts of much of their own (past what they share
+        with `head`) are encoded in groups of 1, 2, 4, ..., so a refusal costs at most twice the tokenizing of the
+        texts before it, not the tokenizing of them all."""
+        texts = list(texts)
+        own = sum(len(text) - common_start(head, text) for text in texts)
+        size = len(texts) if own <= CHECK_ALL_AT_ONCE_CHARS else 1
+        out: list[list[int]] = []
+        while len(out) < len(texts):
+            out += self.encode_sharing(head, head_ids, texts[len(out):len(out) + size], check, len(out))
+            size *= 2
+        return out
 
     def token_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)

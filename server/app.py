@@ -40,7 +40,7 @@ from .body import BodyTimeout, NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
 from .schema import ROUTE_DOCS, document_request_body
-from .body_memory import BodyMemory, parsed_size_bound
+from .body_memory import BodyCharge, BodyMemory, BodyMemoryFull, parsed_size_bound
 from .docs_pages import add_docs_pages
 
 log = logging.getLogger("systemone.server")
@@ -59,12 +59,22 @@ class ServerOptions:
     max_body_bytes: int = 64 << 20
     log_requests: bool = False
     parse_workers: int = 4  # threads that decode bodies, check requests and tokenize (never wait on media)
+    heavy_parse_workers: int = 1  # threads that render and tokenize requests of long texts (HEAVY_TEXT_BYTES)
     max_body_memory: int = 1 << 30  # what bodies may hold before admission (server/body_memory.py)
     max_batch_rows: int | None = None  # rows a text-graph call; None: measured at start-up (runtime/batch_sizing.py)
     batch_wait_ms: float = 1.0  # how long a call that could take more rows waits for them
 
 
 INLINE_BOUND_BYTES = 64 << 10  # bodies whose parsed-size bound the event loop counts itself (about 0.15 ms)
+READY_BODY_ROOM = 1 << 20  # /ready says busy while less of the body budget than this could be charged
+# A body with more than this outside its media URLs is prepared in the long-text lane: its rendering and tokenizing
+# may take seconds (a state of a million CJK characters: 2.2 s to tokenize on two cores).
+HEAVY_TEXT_BYTES = 128 << 10
+
+
+def text_bytes(raw: bytes, request: Any) -> int:
+    """A body's bytes outside its media URLs: about the text its prompts are made of."""
+    return len(raw) - sum(len(url) for url in (*(request.images or ()), *(request.videos or ())))
 
 
 async def client_gone(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
@@ -93,7 +103,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     # On a GPU the vision graph runs beside the text calls (its launches overlap theirs); on the CPU both would
     # share the same few cores.
     scheduler = Scheduler(service.engine, sizing.rows, options.batch_wait_ms / 1000,
-                          media_lane=service.provider != CPU)
+                          media_lane=service.provider != CPU, cost=sizing.cost)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -122,6 +132,7 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
     admission = Admission(options.max_concurrency, options.max_queue)
     in_flight = InFlight()  # a second Ctrl-C answers what is in flight with 503 (server/lifecycle.py)
     parsing = ThreadPoolExecutor(options.parse_workers, thread_name_prefix="systemone-parse")
+    heavy_lane = ThreadPoolExecutor(options.heavy_parse_workers, thread_name_prefix="systemone-parse-long")
     body_memory = BodyMemory(options.max_body_memory)
     metrics = Metrics()
     started = int(time.time())
@@ -145,13 +156,17 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        """503 while a new request could not be taken: every slot and queue place held, or every media worker
-        busy with more media waiting."""
+        """503 while a new request could not be taken: every slot and queue place held, every media worker busy
+        with more media waiting, or too little of the body budget free for a small body (after cutting off the
+        bodies that may be)."""
         pool = service.media_pool
-        media_full = pool.running >= pool.workers and pool.queued > 0
-        body = {"status": "busy" if admission.full or media_full else "ready", "running": admission.running,
-                "queued": admission.queued, "media_running": pool.running, "media_queued": pool.queued}
-        return JSONResponse(body, status_code=503 if admission.full or media_full else 200)
+        media_full = pool.saturated
+        bodies_full = body_memory.room() < READY_BODY_ROOM
+        busy = admission.full or media_full or bodies_full
+        body = {"status": "busy" if busy else "ready", "running": admission.running,
+                "queued": admission.queued, "media_running": pool.running, "media_queued": pool.queued,
+                "body_memory_free": body_memory.room()}
+        return JSONResponse(body, status_code=503 if busy else 200)
 
     @app.get("/metrics", response_model=None)
     async def metrics_endpoint(request: Request) -> PlainTextResponse | JSONResponse:
@@ -211,6 +226,27 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
                  response.status_code, questions, usage, seconds)
         return response
 
+    async def _receive(request: Request, charge: BodyCharge, cut_off: asyncio.Future[BodyMemoryFull],
+                       deadline: Deadline) -> bytes:
+        """The body, charged as it arrives; under the request's deadline too (a client that drips its body is cut
+        off: 408), and ended at once when the body memory cuts it off to make room for others (503)."""
+        reading = asyncio.ensure_future(read_capped(request.stream(), request.headers.get("content-length"),
+                                                    options.max_body_bytes, charge))
+        try:
+            done, _ = await asyncio.wait((reading, cut_off), timeout=deadline.timeout(),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not reading.done():
+                reading.cancel()
+                await asyncio.gather(reading, return_exceptions=True)
+        if reading in done:
+            raw = reading.result()
+            charge.received()
+            return raw
+        if cut_off.done():
+            raise cut_off.result()
+        raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s (--request-timeout)")
+
     async def _answer(request: Request, request_id: str | None) -> dict[str, Any]:
         check_bearer(request.headers.get("authorization"), options.api_key)
         if not _is_json(request.headers.get("content-type")):
@@ -227,35 +263,40 @@ def create_app(service: DecisionService, options: ServerOptions | None = None) -
                 log.info("request %s body %s", request_id or "-", json.dumps(body, ensure_ascii=False)[:10000])
             return service.validate(body)
 
-        def parse_text(raw: bytes) -> tuple[Any, list[Any], Prepared | None]:
-            # A request without media is parsed and prepared in one trip to a parsing thread (each trip is event
-            # loop work: a future, a wake-up and its callbacks).
+        def parse_text(raw: bytes) -> tuple[Any, list[Any], bool, Prepared | None]:
+            # A light request without media is parsed and prepared in one trip to a parsing thread (each trip is
+            # event loop work: a future, a wake-up and its callbacks).
             checked, questions = parse(raw)
-            prepared = None if service.has_media(checked) else service.prepare_loaded(checked, questions, None)
-            return checked, questions, prepared
+            heavy = text_bytes(raw, checked) > HEAVY_TEXT_BYTES
+            if heavy or service.has_media(checked):
+                return checked, questions, heavy, None
+            return checked, questions, heavy, service.prepare_loaded(checked, questions, None, None, deadline)
 
         async def prepare(raw: bytes) -> Prepared:
             # Every check runs here (media read, prompts and labels included), before the request takes a slot.
             # Parsing threads never wait on media: the media pool's jobs are awaited on the event loop.
-            checked, questions, prepared = await loop.run_in_executor(parsing, parse_text, raw)
+            checked, questions, heavy, prepared = await loop.run_in_executor(parsing, parse_text, raw)
             if prepared is not None:
                 return prepared
+            # Long texts are rendered and tokenized in their own lane, so that requests of ordinary size never
+            # queue behind them for a parsing thread.
+            lane = heavy_lane if heavy else parsing
+            if not service.has_media(checked):
+                return await loop.run_in_executor(lane, service.prepare_loaded, checked, questions, None, None,
+                                                  deadline)
             # The prompts are drafted in a parsing thread while the media load (runtime/media_pool.py, MediaLoad).
             loading = service.media_pool.begin(service.engine.media, checked, deadline)
             draft, media = await loading.with_draft_async(
-                loop.run_in_executor(parsing, service.engine.draft, checked, questions))
+                loop.run_in_executor(lane, service.engine.draft, checked, questions))
             deadline.check()
-            return await loop.run_in_executor(parsing, service.prepare_loaded, checked, questions, media, draft)
+            return await loop.run_in_executor(lane, service.prepare_loaded, checked, questions, media, draft,
+                                              deadline)
 
         try:
-            with body_memory.charge() as charge:  # what the body holds, from its first byte until it is prepared
-                try:  # the body is under the request's deadline too: a client that drips its body is cut off
-                    raw = await asyncio.wait_for(read_capped(request.stream(), request.headers.get("content-length"),
-                                                             options.max_body_bytes, charge.at_least),
-                                                 deadline.timeout())
-                except asyncio.TimeoutError:
-                    raise BodyTimeout(f"request body not received within {options.request_timeout_s:g} s "
-                                      "(--request-timeout)") from None
+            cut_off: asyncio.Future[BodyMemoryFull] = loop.create_future()  # the body cut off to make room
+            # What the body holds, from its first byte until it is prepared.
+            with body_memory.charge(lambda error: cut_off.done() or cut_off.set_result(error)) as charge:
+                raw = await _receive(request, charge, cut_off, deadline)
                 encoding = request.headers.get("content-encoding")
                 if encoding:  # inflated first (at most the body cap), so the body is charged at its real size
                     charge.at_least(len(raw) + options.max_body_bytes)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import re
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Protocol
 
 import zstandard
 
@@ -38,10 +38,18 @@ class BodyEncoding(UnsupportedEncoding):
         super().__init__(f"Content-Encoding {encoding!r} is not supported; use one of zstd, gzip, identity")
 
 
-async def read_capped(chunks: AsyncIterator[bytes], declared: str | None, limit: int,
-                      reserve: Callable[[int], None]) -> bytes:
-    """The raw body, refusing more than `limit` bytes (by Content-Length first, then as it streams in). `reserve` is
-    told the bytes the body will hold before they are kept: its declared length, then its size as it grows."""
+class Charge(Protocol):
+    """What a body's memory charge offers its reader (server/body_memory.py, BodyCharge)."""
+
+    def fits_alone(self, size: int) -> None: ...
+
+    def at_least(self, size: int) -> None: ...
+
+
+async def read_capped(chunks: AsyncIterator[bytes], declared: str | None, limit: int, charge: Charge) -> bytes:
+    """The raw body, refusing more than `limit` bytes (by Content-Length first, then as it streams in). `charge` is
+    told the bytes the body holds as they arrive; a declared length only has to fit its budget alone, since a
+    client may declare much and send nothing."""
     if declared is not None:
         try:
             size = int(declared)
@@ -49,13 +57,13 @@ async def read_capped(chunks: AsyncIterator[bytes], declared: str | None, limit:
             raise DecisionError("Content-Length is not a number") from None
         if size > limit:
             raise BodyTooLarge(limit)
-        reserve(size)
+        charge.fits_alone(size)
     parts, size = [], 0
     async for chunk in chunks:
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(limit)
-        reserve(size)
+        charge.at_least(size)
         parts.append(chunk)
     return b"".join(parts)
 

@@ -92,7 +92,8 @@ def _service(args: argparse.Namespace):
                                             else args.media_processes),
                            media_budget=MediaBudget(args.max_request_pixels, args.max_request_media_bytes,
                                                     args.max_video_frame_pixels, args.max_jpeg_video_frames,
-                                                    args.max_video_decode_pixels))
+                                                    args.max_video_decode_pixels, args.max_server_media_pixels,
+                                                    args.max_server_media_bytes))
 
 
 def _gib_bytes(gib: float | None) -> int | None:
@@ -387,7 +388,8 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
                        help="fetch media URLs directly even where http_proxy, https_proxy or all_proxy is set "
                             "(by default they are honoured, and no_proxy too)")
     media.add_argument("--media-workers", type=int, default=8,
-                       help="threads that fetch and decode media, shared by all requests")
+                       help="threads of each of the two media lanes (media fetched over the network; inline and "
+                            "local media), shared by all requests")
     media.add_argument("--media-processes", type=int, default=None,
                        help="processes that resize media into pixel rows, shared by all requests; 0: threads of "
                             "the server's process (default: all cores but two, at most 16; none below 6 cores)")
@@ -395,6 +397,10 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
                        help="decoded pixels of one request's images and sampled video frames, from their headers")
     media.add_argument("--max-request-media-bytes", type=int, default=256 << 20,
                        help="bytes one request's media URLs may download in all")
+    media.add_argument("--max-server-media-pixels", type=int, default=140_000_000,
+                       help="decoded pixels of every request's media being loaded at once (503 past it)")
+    media.add_argument("--max-server-media-bytes", type=int, default=512 << 20,
+                       help="bytes every request's media URLs being fetched at once may hold (503 past it)")
     media.add_argument("--max-video-frame-pixels", type=int, default=3840 * 2160, help="largest video frame")
     media.add_argument("--max-jpeg-video-frames", type=int, default=64, help="most frames of a data:video/jpeg")
     media.add_argument("--max-video-decode-pixels", type=int, default=10_000_000_000,

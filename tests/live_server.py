@@ -21,8 +21,15 @@ def port_of(base: str) -> int:
 @contextmanager
 def live_server(service: DecisionService, options: ServerOptions | None = None, **uvicorn_options):
     """Yield the base URL of a server answering with `service`; stop it (gracefully) on exit."""
+    with serving(create_app(service, options), **uvicorn_options) as base:
+        yield base
+
+
+@contextmanager
+def serving(app, **uvicorn_options):
+    """Yield the base URL of uvicorn serving the ASGI `app` on a loopback port; stop it (gracefully) on exit."""
     port = free_port()
-    config = uvicorn.Config(create_app(service, options), host="127.0.0.1", port=port, log_level="warning",
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                             timeout_graceful_shutdown=30, **uvicorn_options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

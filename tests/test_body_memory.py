@@ -1,7 +1,7 @@
 """What request bodies hold before admission is under one budget (README "Bounds under hostile load",
 --max-body-memory): a body is charged its bytes as they arrive, then, before it is parsed, an upper bound of what
-reading it holds; a body over the budget alone is a 413, one that would take the bodies held past it a 503 +
-Retry-After."""
+reading it holds; a body over the budget alone is a 413; one that needs room others hold cuts off the bodies
+arriving longest, else is a 503 + Retry-After."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 from systemone.local_server import free_port, rss_mb, serve_command, start_server
 from systemone.server.app import ServerOptions
 from systemone.server.body import parse_json
-from systemone.server.body_memory import parsed_size_bound
+from systemone.server.body_memory import BodyMemory, BodyMemoryFull, parsed_size_bound
 from tests.live_server import live_server, port_of
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
@@ -164,30 +164,82 @@ def response_to(sock: socket.socket) -> bytes:
     return data
 
 
-def test_uploads_that_stall_hold_the_budget_and_the_next_is_503_at_once(d3_service):
-    """Issue 11 finding 7: stalled 60 MB uploads each held their bytes until the deadline. A body is charged its
-    declared length when its headers arrive: with 6 of 8 MiB held by two stalled uploads, a third declaring 3 MiB
-    is a 503 before it has sent its body, and one declaring more than 8 MiB is a 413; once the stalled ones leave,
-    their memory is free again."""
+def test_headers_that_declare_a_body_and_send_nothing_hold_nothing(d3_service):
+    """Issue 50 item 1: 16 connections declaring 64 MiB bodies and sending nothing were charged the 1 GiB budget at
+    once, and every other POST was a 503 until their deadline while /ready said ready. A body is charged the bytes
+    that arrive: at the default flags a request is answered beside them, and /ready agrees."""
+    with live_server(d3_service, ServerOptions(request_timeout_s=30)) as base:
+        idle = [send_part(port_of(base), 64 << 20, b"") for _ in range(16)]
+        try:
+            time.sleep(0.3)
+            answer = httpx.post(base + "/v1/systemone", timeout=30, headers=JSON_HEADERS,
+                                content=json.dumps({"state": "x", "questions": {"q": NOUL}}).encode())
+            ready = httpx.get(base + "/ready", timeout=30)
+        finally:
+            for s in idle:
+                s.close()
+    assert answer.status_code == 200, answer.text[:300]
+    assert ready.status_code == 200 and ready.json()["body_memory_free"] == 1 << 30, ready.text
+
+
+def test_uploads_that_stall_are_cut_off_to_make_room_the_one_arriving_longest_first(d3_service):
+    """Issue 11 finding 7: stalled uploads each held their bytes until the deadline. With 6 of 8 MiB held by two
+    uploads stalled short of their end, a body sent at once needs room: the upload arriving longest is cut off (503
+    + Retry-After, naming the budget), the other keeps its place, and the new body is answered. A body declaring
+    more than the whole budget is a 413 before it sends a byte."""
     options = ServerOptions(max_body_bytes=16 << 20, max_body_memory=8 << 20, request_timeout_s=30)
     with live_server(d3_service, options) as base:
         port = port_of(base)
-        stalled = [send_part(port, 3 << 20, b'{"state": "' + b"x" * (1 << 20)) for _ in range(2)]
-        time.sleep(0.5)
-        busy, too_large = (response_to(send_part(port, declared, b"")) for declared in (3 << 20, 9 << 20))
-        assert busy.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in busy.lower(), busy[:400]
-        assert too_large.startswith(b"HTTP/1.1 413"), too_large[:400]
-        assert b"--max-body-memory" in busy and b"--max-body-memory" in too_large
-        for s in stalled:
-            s.close()
-        deadline = time.monotonic() + 10
-        while True:  # the server frees a charge when it sees its client gone
-            answer = httpx.post(base + "/v1/systemone", timeout=30, headers=JSON_HEADERS,
-                                content=json.dumps({"state": "x" * (2 << 20), "questions": {"q": NOUL}}).encode())
-            if answer.status_code != 503 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert answer.status_code in (200, 400), answer.text[:300]
+        stalled = []
+        for _ in range(2):
+            stalled.append(send_part(port, 3 << 20, b'{"state": "' + b"x" * ((3 << 20) - 20)))
+            time.sleep(0.1)
+        time.sleep(1.2)  # past MIN_ARRIVING_S: both may be cut off
+        answer = httpx.post(base + "/v1/systemone", timeout=30, headers=JSON_HEADERS,
+                            content=json.dumps({"state": "x" * (1 << 20), "questions": {"q": NOUL}}).encode())
+        cut = response_to(stalled[0])
+        stalled[1].settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            stalled[1].recv(1)  # still arriving, still held
+        too_large = response_to(send_part(port, 9 << 20, b""))
+        stalled[1].close()
+    assert answer.status_code in (200, 400), answer.text[:300]  # 400: a state longer than the model reads
+    assert cut.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in cut.lower(), cut[:400]
+    assert b"cut off to make room" in cut and b"--max-body-memory" in cut
+    assert too_large.startswith(b"HTTP/1.1 413") and b"--max-body-memory" in too_large, too_large[:400]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_only_bodies_arriving_for_a_while_are_cut_off_and_never_one_received():
+    """A body sent at once is never cut off for another (the one asking gets the 503); one received whole is not
+    either; the room /ready reports counts what may be cut off."""
+    clock = Clock()
+    memory = BodyMemory(100, min_arriving_s=1.0, clock=clock)
+    cut: list[str] = []
+    with memory.charge(lambda e: cut.append("old")) as old, memory.charge(lambda e: cut.append("done")) as done:
+        old.at_least(40)
+        done.at_least(40)
+        done.received()
+        assert memory.room() == 20
+        with memory.charge(lambda e: cut.append("new")) as new:
+            with pytest.raises(BodyMemoryFull):
+                new.at_least(30)  # the old one has arrived for less than a second
+            clock.now = 1.0
+            assert memory.room() == 60
+            new.at_least(30)
+            assert cut == ["old"] and memory.held == 70
+            with pytest.raises(BodyMemoryFull, match="cut off to make room"):
+                old.at_least(41)  # its reader is told; whatever it sends later is refused too
+            with pytest.raises(BodyMemoryFull):
+                new.at_least(61)  # the received body stays
+    assert memory.held == 0
 
 
 def test_a_chunked_upload_is_charged_as_it_grows(d3_service):

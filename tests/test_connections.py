@@ -3,6 +3,7 @@ the smaller holes (auth on /metrics, key whitespace, framing, gzip)."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import socket
@@ -17,7 +18,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from systemone.local_server import free_port, serve_command, start_server
 from systemone.server.app import ServerOptions
 from systemone.server.connections import MAX_HEADER_BYTES, guarded_http_settings, guarded_protocol, http_protocol
-from tests.live_server import live_server, port_of
+from tests.live_server import live_server, port_of, serving
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = json.dumps({"state": "x", "questions": {"q": NOUL}}).encode()
@@ -52,15 +53,60 @@ def request_with_headers(pad: int, body: bytes = GOOD) -> bytes:
 
 def response_of(sock: socket.socket) -> bytes:
     """One response whose head says its length, read whole."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.lower().split(b"\r\n")
-    length = int(next(line.split(b":")[1] for line in lines if line.startswith(b"content-length")))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return head + b"\r\n\r\n" + body
+    return Responses(sock).next()
+
+
+class Responses:
+    """The responses on a connection in turn (pipelined ones may arrive in one read); EOFError when it closes
+    first."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.data = sock, b""
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise EOFError(f"connection closed with {self.data[:200]!r} unread")
+        self.data += chunk
+
+    def next(self) -> bytes:
+        while b"\r\n\r\n" not in self.data:
+            self._more()
+        head, _, rest = self.data.partition(b"\r\n\r\n")
+        lines = head.lower().split(b"\r\n")
+        length = int(next(line.split(b":")[1] for line in lines if line.startswith(b"content-length")))
+        while len(rest) < length:
+            self._more()
+            head, _, rest = self.data.partition(b"\r\n\r\n")
+        self.data = rest[length:]
+        return head + b"\r\n\r\n" + rest[:length]
+
+
+async def echo_app(scope, receive, send):
+    """An ASGI app for the guard alone: answers a request's body length once the body is read; `/hold?S` first
+    holds the request S seconds."""
+    if scope["type"] == "lifespan":
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+    if scope["path"] == "/hold":
+        await asyncio.sleep(float(scope["query_string"] or 1))
+    body = json.dumps({"path": scope["path"], "body": size}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def post(path: str, body: bytes, declared: int | None = None) -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % (path.encode(), len(body) if declared is None else declared)) + body
 
 
 def test_serve_takes_httptools_parser_where_it_is_installed():
@@ -153,26 +199,114 @@ def test_a_request_sent_at_once_on_a_connection_past_the_cap_is_answered(d3_serv
                 s.close()
 
 
-def test_past_the_cap_with_every_request_in_flight_a_new_connection_is_closed(d3_service):
-    """Connections whose requests are in flight (headers in, body arriving) are never displaced: at the cap the new
+@pytest.mark.parametrize("parser", PARSERS)
+def test_past_the_cap_with_every_request_in_flight_a_new_connection_is_closed(parser):
+    """Connections whose requests are being answered (headers and body in) are never displaced: at the cap the new
     connection is the one closed, and the requests go on."""
-    head = (b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(GOOD))
-    with live_server(d3_service, ServerOptions(request_timeout_s=30), http=guarded_protocol(30.0, 4)) as base:
+    with serving(echo_app, **guarded(parser, 30.0, 4)) as base:
         busy = [socket.create_connection(("127.0.0.1", port_of(base))) for _ in range(4)]
         try:
             for s in busy:
-                s.sendall(head + GOOD[:5])
+                s.sendall(post("/hold?2", GOOD))
             time.sleep(0.3)
             with socket.create_connection(("127.0.0.1", port_of(base))) as late:
                 assert closed_by_server_within(late, 1.0)
             for s in busy:
-                s.sendall(GOOD[5:])
                 s.settimeout(30)
-                assert s.recv(64).startswith(b"HTTP/1.1 200")
+                assert response_of(s).startswith(b"HTTP/1.1 200")
         finally:
             for s in busy:
                 s.close()
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_past_the_cap_connections_whose_body_stopped_coming_are_displaced(parser):
+    """Issue 50 item 2: connections that sent complete headers and then stopped sending their body held the cap
+    (every new connection was closed until their deadline). They hold a place and do nothing, as connections
+    waiting for headers do: at cap 8, each new connection displaces the one idle longest, and its request is
+    answered."""
+    with serving(echo_app, **guarded(parser, 30.0, 8)) as base:
+        stalled = []
+        for i in range(8):
+            stalled.append(socket.create_connection(("127.0.0.1", port_of(base))))
+            stalled[-1].sendall(post("/", b'{"state": ' if i % 2 else b"", declared=1000))
+            time.sleep(0.02)
+        fresh = []
+        try:
+            time.sleep(0.2)
+            for _ in range(3):
+                fresh.append(socket.create_connection(("127.0.0.1", port_of(base))))
+                fresh[-1].sendall(post("/", GOOD))
+                fresh[-1].settimeout(10)
+                assert response_of(fresh[-1]).startswith(b"HTTP/1.1 200")
+            assert [closed_by_server_within(s, 0.3) for s in stalled] == [True] * 3 + [False] * 5
+        finally:
+            for s in stalled + fresh:
+                s.close()
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_pipelined_requests_body_is_never_counted_as_headers(parser):
+    """Issue 50 item 9: a POST pipelined behind another had its body counted as headers once the first was
+    answered, and a body over 16 KiB got a 431. Both answered, whatever arrives when."""
+    body = json.dumps({"state": "x" * 64 * 1024}).encode()
+    with serving(echo_app, **guarded(parser, 30.0, 100)) as base:
+        with socket.create_connection(("127.0.0.1", port_of(base))) as s:
+            s.settimeout(10)
+            second = post("/second", body)
+            responses = Responses(s)
+            s.sendall(post("/first", GOOD) + second[:200])
+            assert responses.next().startswith(b"HTTP/1.1 200")
+            time.sleep(0.1)
+            s.sendall(second[200:])
+            answer = responses.next()
+    assert answer.startswith(b"HTTP/1.1 200") and b'"body": %d' % len(body) in answer, answer[:300]
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_pipelined_request_running_past_the_header_timeout_is_answered(parser):
+    """Issue 50 item 9: the header timeout began at the first response, though the second request had arrived
+    with it, and closed the connection while the second was being answered."""
+    with serving(echo_app, **guarded(parser, 1.0, 100)) as base:
+        with socket.create_connection(("127.0.0.1", port_of(base))) as s:
+            s.settimeout(10)
+            s.sendall(post("/first", GOOD) + post("/hold?2", GOOD))
+            responses = Responses(s)
+            first, second = responses.next(), responses.next()
+    assert b"/first" in first and second.startswith(b"HTTP/1.1 200") and b"/hold" in second, second[:300]
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_headers_sent_while_a_request_is_answered_are_capped(parser):
+    """Issue 50 item 9: headers that arrive while the connection's request is being answered were not counted
+    (on httptools a 184 MiB header line was taken in). Here 256 KiB of request line arrives while the first
+    request is held: the first is answered, then the 431, and the connection is closed."""
+    with serving(echo_app, **guarded(parser, 30.0, 100)) as base:
+        with socket.create_connection(("127.0.0.1", port_of(base))) as s:
+            s.settimeout(10)
+            s.sendall(post("/hold?1", GOOD))
+            time.sleep(0.2)
+            s.sendall(b"GET /")
+            for _ in range(4):
+                s.sendall(b"a" * 65536)
+            responses = Responses(s)
+            first, refusal = responses.next(), responses.next()
+            assert not responses.data and closed_by_server_within(s, 5)
+    assert first.startswith(b"HTTP/1.1 200") and b"/hold" in first
+    assert refusal.startswith(b"HTTP/1.1 431"), refusal[:300]
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_headers_over_the_cap_that_arrive_in_one_read_are_431(parser):
+    """Issue 50 item 9: the cap was checked only on headers still incomplete after a read, so 60 KB of headers
+    arriving at once with their end went through."""
+    with serving(echo_app, **guarded(parser, 30.0, 100)) as base:
+        with socket.create_connection(("127.0.0.1", port_of(base))) as s:
+            s.settimeout(10)
+            s.sendall(request_with_headers(60 * 1024))
+            answer = response_of(s)
+            assert closed_by_server_within(s, 2)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:300]
 
 
 def test_one_client_address_cannot_hold_every_connection(d3_service):

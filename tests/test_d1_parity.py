@@ -139,7 +139,7 @@ def test_with_prefix_reuse_off_every_whole_prompt_is_read_with_the_same_answers(
 
     service = DecisionService(Artifact.load(d1_artifact), EngineOptions(device="cpu", prefix_reuse=False),
                               served_model_names=["LiquidAI/d1-tiny"])
-    monkeypatch.setattr(service.engine.runner, "extend", lambda *a, **k: pytest.fail("a prefix was prefilled"))
+    monkeypatch.setattr(service.engine.runner, "extending", lambda *a, **k: pytest.fail("a prefix was prefilled"))
     try:
         for body in (sixteen_questions(True), sixteen_questions(False)):
             assert service.engine.runs_whole(service.prepare(body)) == ("images" in body)

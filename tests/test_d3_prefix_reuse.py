@@ -15,7 +15,7 @@ from systemone.export.d3.answer_parity import question_set
 from systemone.export.pipeline import add_forms
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
-from systemone.runtime.batch import BatchBudget, MediaRows, TextRow
+from systemone.runtime.batch import BatchBudget, CallCost, MediaRows, TextRow
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from systemone.runtime.d3.state import D3StateLayout
 from systemone.runtime.engine import EngineOptions
@@ -44,6 +44,35 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 def suffix_rows(prefix_length: int, suffixes: list[list[int]]) -> list[TextRow]:
     return [TextRow(s, text_positions(prefix_length + len(s))[:, prefix_length:]) for s in suffixes]
+
+
+def test_a_prefix_prefilled_in_chunks_of_the_time_slice_reads_as_one_call(d3_causal_artifact):
+    """Issue 50 item 4: a long prefix is prefilled in chunks about `slice_s` long each (here, by a cost model of
+    1 ms a token and a 0.3 s slice, 300 tokens), each on the state the last left, keys and values appended, media
+    rows among them: its suffixes read as on the prefix prefilled in one call."""
+    fields = json.loads((d3_causal_artifact / "manifest.json").read_text())
+    sliced = CodeLogitsRunner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), BatchBudget(slice_s=0.3),
+                              int(fields["hidden_size"]), D3StateLayout.from_manifest(fields))
+    sliced.cost = CallCost(fixed_s=0.0, token_s=1e-3)
+    whole = runner_for(d3_causal_artifact)
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(0, 5000, 700).tolist()
+    media = MediaRows(rng.standard_normal((20, int(fields["hidden_size"]))).astype(np.float32),
+                      np.arange(290, 310, dtype=np.int64))  # across the first chunk's end
+    suffixes = [rng.integers(0, 5000, n).tolist() for n in (1, 9, 40)]
+    steps = sliced.prefilling(TextRow(prefix, text_positions(700), media))
+    chunks = 1
+    while True:
+        try:
+            next(steps)
+            chunks += 1
+        except StopIteration as done:
+            state = done.value
+            break
+    assert chunks == 3 and state.length == 700
+    one_call = whole.prefill(TextRow(prefix, text_positions(700), media))
+    assert np.abs(sliced.read_suffixes(state, suffix_rows(700, suffixes))
+                  - whole.read_suffixes(one_call, suffix_rows(700, suffixes))).max() <= 1e-5
 
 
 def test_the_causal_manifest_records_the_state_and_the_bidirectional_one_none(d3_artifact, d3_causal_artifact):
@@ -149,7 +178,7 @@ def test_with_prefix_reuse_off_a_requests_questions_are_rows_of_shared_calls_wit
     """`--no-prefix-reuse`: nothing is prefilled; each question's whole prompt is a row the scheduler may share with
     other requests' rows, and the answers are the default's within 1e-5 (an image request too)."""
     service = DecisionService(Artifact.load(d3_causal_artifact), EngineOptions(device="cpu", prefix_reuse=False))
-    monkeypatch.setattr(service.engine.runner, "prefill", lambda *a, **k: pytest.fail("a prefix was prefilled"))
+    monkeypatch.setattr(service.engine.runner, "prefilling", lambda *a, **k: pytest.fail("a prefix was prefilled"))
     try:
         for body in ({"state": STATE, "questions": question_set(4) | question_set(9)},
                      {"state": STATE, "images": [image_url(200, 100, seed=3)], "questions": question_set(5)}):

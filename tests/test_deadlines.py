@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from systemone.runtime.service import DecisionService
 from systemone.server.app import ServerOptions
 from tests.drip_server import DripServer
 from tests.live_server import live_server
+from tests.media_helpers import data_url, gradient_png
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = json.dumps({"state": "x", "questions": {"q": NOUL}}).encode()
@@ -118,3 +120,46 @@ def test_slow_media_never_starve_other_requests(private_media_service):
     assert closed, f"{drip.open} fetches still open {closed_s:.1f} s after their requests ended"
     assert "systemone_media_jobs_running 0" in metrics
     assert ready.status_code == 200
+
+
+class Failing(BaseHTTPRequestHandler):
+    """Answers every GET with a 503 at once: worth another try to a fetch, 1 s and then 4 s later."""
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_failing_media_urls_never_starve_inline_images(private_media_service):
+    """Issue 50 item 6: six clients whose URLs answered 503 pushed other clients' inline data: images to a p50 of
+    28 s (each failing URL held a media thread through its retries' pauses). Here six requests of four such URLs
+    each, then inline-image requests one after another: each is answered within 3 s."""
+    failing = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    failing.daemon_threads = True
+    threading.Thread(target=failing.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{failing.server_address[1]}"
+    inline = json.dumps({"state": "x", "images": [data_url(gradient_png(32, 32))], "questions": {"q": NOUL}})
+    try:
+        with live_server(private_media_service, ServerOptions(request_timeout_s=20)) as base:
+            async def scenario():
+                async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                    failing_posts = [asyncio.ensure_future(client.post(
+                        "/v1/systemone", headers=JSON_HEADERS,
+                        content=json.dumps({"state": "x", "images": [f"{url}/{i}-{j}.png" for j in range(4)],
+                                            "questions": {"q": NOUL}}))) for i in range(6)]
+                    await asyncio.sleep(0.5)
+                    seconds = []
+                    for _ in range(3):
+                        start = time.monotonic()
+                        answer = await client.post("/v1/systemone", content=inline, headers=JSON_HEADERS)
+                        seconds.append((answer.status_code, time.monotonic() - start))
+                    return seconds, await asyncio.gather(*failing_posts)
+            seconds, failed = asyncio.run(scenario())
+    finally:
+        failing.shutdown()
+    assert [status for status, _ in seconds] == [200] * 3 and max(s for _, s in seconds) < 3, seconds
+    assert {r.status_code for r in failed} == {422}, [r.text[:200] for r in failed]

@@ -242,6 +242,15 @@ def test_ipv6_forms_that_embed_a_private_ipv4_and_site_local_are_refused(host):
     assert "non-public address" in refused(f"http://{host}/x.png")
 
 
+@pytest.mark.parametrize("host", ["[64:ff9b::]", "[64:ff9b::0.0.0.0]", "[::ffff:0:0:0]", "[64:ff9b:1:7f00:1::]",
+                                  "[64:ff9b:1:808:8:0:800::]", "192.0.0.9", "192.0.0.10", "192.0.0.170",
+                                  "[::ffff:192.0.0.9]", "[64:ff9b::192.0.0.10]"])
+def test_the_nat64_prefixes_gaps_and_192_0_0_0_24_are_refused(host):
+    """Issue 50 item 10: 64:ff9b:: (0.0.0.0 through NAT64), the NAT64 local-use prefix with its IPv4 address at
+    another RFC 6052 offset, and 192.0.0.0/24's anycast addresses (global in Python's table) were let through."""
+    assert "non-public address" in refused(f"http://{host}/x.png")
+
+
 def test_ipv6_forms_that_embed_a_public_ipv4_are_judged_by_it():
     assert media_fetch._public("64:ff9b::808:808") and media_fetch._public("2002:808:808::1")
     assert media_fetch._public("2606:4700:4700::1111")

@@ -1,16 +1,23 @@
 """Memory bounded per request (README, "Bounds under hostile load"): image bombs are refused from their
 headers before a pixel is decoded, or decoded within the request's pixel budget; video frames are bounded in size
 and number. Each bomb runs in a subprocess whose RSS is sampled and capped, so a failure cannot take the machine
-down."""
+down. Memory read for a download that is then refused goes back to the system."""
 
 from __future__ import annotations
 
 import base64
 import io
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from PIL import Image
 
+from systemone.local_server import free_port, rss_mb, serve_command, start_server
 from tests import memory_probe
 
 NOUL = {"q": {"type": "noul", "instructions": "Is it urgent?"}}
@@ -85,3 +92,53 @@ def test_a_jpeg_frame_video_has_a_bounded_number_of_frames(d3_artifact, tmp_path
     out = probe(d3_artifact, tmp_path, {"state": "x", "videos": [url], "questions": NOUL})
     assert out.get("status") == 413 and "800 frames" in out["message"] and "--max-jpeg-video-frames" in out["message"]
     assert out["seconds"] < 1.0, out
+
+
+class Endless(BaseHTTPRequestHandler):
+    """An image of 300 MiB with no declared length (an HTTP/1.0 body ends when the connection closes)."""
+
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.end_headers()
+        block = b"\0" * (1 << 20)
+        try:
+            for _ in range(300):
+                self.wfile.write(block)
+        except OSError:  # the fetch stopped at its cap
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_memory_is_given_back_after_refused_downloads(d3_artifact):
+    """Issue 50 item 8: 40 requests whose downloads were refused (413) left the server at 4.55 GB, for good: the
+    bytes read came in 64 KiB chunks scattered over the heap, and the refusal's traceback kept them until the
+    request ended. Here 16 downloads refused at a 32 MiB cap, 8 at once (256 MiB read at a time): 2 s later the
+    server's RSS is within 100 MB of where it began (it kept about 270 MB before)."""
+    media = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    media.daemon_threads = True
+    threading.Thread(target=media.serve_forever, daemon=True).start()
+    body = {"state": "x", "images": [f"http://127.0.0.1:{media.server_address[1]}/big.png"], "questions": NOUL}
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(serve_command(d3_artifact, port, "--allow-private-media-hosts", "--no-media-proxy",
+                                        "--max-media-bytes", str(32 << 20)),
+                          base, 120, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert httpx.post(base + "/v1/systemone", json={"state": "x", "questions": NOUL}, timeout=60).status_code == 200
+        start = rss_mb(server.pid)
+        with ThreadPoolExecutor(8) as clients:
+            codes = list(clients.map(lambda _: httpx.post(base + "/v1/systemone", json=body, timeout=60).status_code,
+                                     range(16)))
+        time.sleep(2)
+        kept = rss_mb(server.pid) - start
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        media.shutdown()
+    assert codes == [413] * 16, codes
+    assert kept < 100, kept

@@ -39,6 +39,41 @@ def test_d3_a_state_over_the_token_limit_is_refused_after_one_question(d3_servic
     assert message.startswith("question 'q0': the prompt has ") and "max_model_len=" in message
 
 
+class CountingTokenizer:
+    """The tokenizers library's tokenizer, counting the characters it is asked to encode."""
+
+    def __init__(self, inner):
+        self.inner, self.chars = inner, 0
+
+    def encode(self, text, *args, **kwargs):
+        self.chars += len(text)
+        return self.inner.encode(text, *args, **kwargs)
+
+    def encode_batch(self, texts, *args, **kwargs):
+        self.chars += sum(len(text) for text in texts)
+        return self.inner.encode_batch(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("family", ["d3", "d1"])
+def test_a_short_first_question_and_long_others_cost_one_long_tokenizing(request, monkeypatch, family):
+    """Issue 50 item 7: only the first prompt was checked before all were tokenized, so a short first question and
+    14 long ones (58.5 MB) cost 48 s and 4.41 GB before their 400. Every prompt's characters are checked as it is
+    rendered, and each is checked on its tokens before those after it are tokenized: here 14 questions of 150,000
+    words, each under the character bound and over the token limit, are refused after one of them is tokenized."""
+    service = request.getfixturevalue(f"{family}_service")
+    tokenizer = service.engine.artifact.tokenizer
+    counting = CountingTokenizer(tokenizer._tokenizer)
+    monkeypatch.setattr(tokenizer, "_tokenizer", counting)
+    long = " ".join(f"w{i}" for i in range(150_000))
+    questions = {"q0": {"type": "noul"}, **{f"q{i}": {"type": "noul", "instructions": long} for i in range(1, 15)}}
+    message = refused_within(service, {"state": "x", "questions": questions}, 10)
+    assert ("question 'q1'" in message) if family == "d3" else ("input tokens" in message), message
+    assert counting.chars < 2 * len(long), (counting.chars, len(long))
+
+
 def test_d1_a_state_over_the_limits_is_refused_after_one_question(d1_service):
     state = " ".join(f"w{i}" for i in range(100_000))
     message = refused_within(d1_service, {"state": state, "questions": QUESTIONS}, 3)

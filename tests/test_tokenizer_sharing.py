@@ -38,21 +38,21 @@ def tokenizer(tokenizer_json) -> PromptTokenizer:
 
 
 class Recorder:
-    """The texts a tokenizer encodes in batches."""
+    """The texts a tokenizer encodes in batches (its `_encodings`, which every batch goes through)."""
 
     def __init__(self, tokenizer: PromptTokenizer):
         self.lengths: list[int] = []
-        self._encode_batch = tokenizer.encode_batch
+        self._encodings = tokenizer._encodings
 
-    def __call__(self, texts: list[str]) -> list[list[int]]:
+    def __call__(self, texts: list[str]):
         self.lengths.extend(len(t) for t in texts)
-        return self._encode_batch(texts)
+        return self._encodings(texts)
 
 
 def test_every_prompt_gets_its_own_whole_encoding(tokenizer, monkeypatch):
     rng = random.Random(0)
     recorder = Recorder(tokenizer)
-    monkeypatch.setattr(tokenizer, "encode_batch", recorder)
+    monkeypatch.setattr(tokenizer, "_encodings", recorder)
     cut = 0
     for _ in range(400):
         start = random_text(rng, rng.randrange(0, 200))
@@ -75,7 +75,7 @@ def test_sixteen_prompts_of_one_state_encode_the_state_once(tokenizer, monkeypat
              for i in range(16)]
     head_ids = tokenizer.encode(texts[0])
     recorder = Recorder(tokenizer)
-    monkeypatch.setattr(tokenizer, "encode_batch", recorder)
+    monkeypatch.setattr(tokenizer, "_encodings", recorder)
     assert tokenizer.encode_sharing(texts[0], head_ids, texts[1:]) == [tokenizer.encode(t) for t in texts[1:]]
     assert len(recorder.lengths) == 15 and max(recorder.lengths) < 100 < len(state)
 
@@ -88,7 +88,7 @@ def test_a_tokenizer_with_another_split_is_encoded_whole(tokenizer_json, tmp_pat
     other = PromptTokenizer(path)
     texts = ["state: some text, then question one", "state: some text, then question two"]
     recorder = Recorder(other)
-    monkeypatch.setattr(other, "encode_batch", recorder)
+    monkeypatch.setattr(other, "_encodings", recorder)
     assert other.encode_sharing(texts[0], other.encode(texts[0]), texts[1:]) == [other.encode(texts[1])]
     assert recorder.lengths == [len(texts[1])]
 

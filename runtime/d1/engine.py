@@ -9,7 +9,7 @@ that all of them share (state, images, system turn) is found on the token ids, s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -21,7 +21,7 @@ from ...models.family import Readout
 from ...models.questions import QUESTION_TYPES, Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
-from ..batch import UNMEASURED_COST, BatchBudget, CallCost, TextRow
+from ..batch import UNMEASURED_COST, BatchBudget, CallCost, TextRow, drive
 from ..cuda_graphs import CaptureBuckets
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
@@ -73,7 +73,7 @@ class D1Engine(Engine):
         self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
                                     options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
         layout = StateLayout.from_manifest(fields)
-        self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads)
+        self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads, options.slice_s)
         self.prefix_reuse = options.prefix_reuse
         self.runner = D1TextRunner(self.session, layout, self.budget)
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
@@ -162,13 +162,16 @@ class D1Engine(Engine):
         def check_first(question: Question, text: str) -> None:
             # Spec 3.9's second rule on the first prompt alone (render_texts checked its characters), before any
             # other is rendered or tokenized: a state too long for the model costs one copy and one tokenization.
-            first.extend(self.tokenizer.encode(text))
-            self._check_tokens(len(first))
+            first.extend(self.tokenizer.encode(text, self._check_tokens))
 
         texts = render_texts(self.artifact.template, self.family, request, questions,
                              lambda question, length: self._check_characters(length),
                              self.max_model_len * self.max_chars_per_token, check_first)
-        return Tokenized(texts, [first, *self.tokenizer.encode_sharing(texts[0], first, texts[1:])])
+        # Every other prompt's characters were checked as it was rendered; its tokens are checked as it is
+        # tokenized, before the prompts after it are (a short first question and long others cost one of them).
+        rest = self.tokenizer.encode_checked(texts[0], first, texts[1:],
+                                             lambda index, count: self._check_tokens(count))
+        return Tokenized(texts, [first, *rest])
 
     def prepare(self, request: DecisionRequest, questions: list[Question],
                 images: LoadedMedia[Lfm2Image] | None = None, draft: Tokenized | None = None) -> Prepared:
@@ -202,28 +205,38 @@ class D1Engine(Engine):
         """Each question's label log-probabilities and greedy token. With `reuse_prefix` (the default) the shared
         prefix runs once and the questions run as suffixes on its state; without, or with reuse turned off, every
         whole prompt runs (the baseline the prefix saving is measured against)."""
+        return drive(self.run_steps(prepared, run_options, encoded, reuse_prefix))
+
+    def run_steps(self, prepared: Prepared, run_options: Any = None, encoded: np.ndarray | None = None,
+                  reuse_prefix: bool = True) -> Generator[None, None, list[Readout]]:
+        """`run` as steps, one graph call (a prefix chunk, a batch of reads) a step."""
         label_ids = sorted({i for g in prepared.labels for i in g.ids})
         ids = [p.token_ids for p in prepared.prompts]
         # A prompt longer than one call is still read in parts, each on the state the last left, whatever the flag.
-        reuse_prefix = reuse_prefix and (self.prefix_reuse or not self._each_fits_one_call(ids))
+        slow = self.slow_row([len(i) for i in ids])  # read in chunks, whatever the reuse setting
+        reuse_prefix = reuse_prefix and (self.prefix_reuse or slow or not self._each_fits_one_call(ids))
         media = None
         if prepared.media is not None:
-            embeds = encoded if encoded is not None else self.encode_media(prepared, run_options)
-            media = media_rows(ids[0], self.image_token_id, embeds)
-        if reuse_prefix and len(ids) == 1 and media is None and self._each_fits_one_call(ids):
+            if encoded is None:
+                encoded = self.encode_media(prepared, run_options)
+                yield
+            media = media_rows(ids[0], self.image_token_id, encoded)
+        if reuse_prefix and len(ids) == 1 and media is None and self._each_fits_one_call(ids) and not slow:
             # One question without images has nothing to share: its whole prompt is one call from an empty state,
             # as its row in a shared call would be (a captured bucket's replay where it fits one), not a prefill
             # and a one-token read (two launch-bound calls on a GPU).
             logprobs, argmax = self.runner.read_prompts(ids, label_ids, run_options)
         elif reuse_prefix:
             # Images stay in the prefix, where their rows go; a prompt too long for one call is prefilled first.
-            split = shared_prefix(ids) if len(ids) > 1 or media is not None else 0
+            split = shared_prefix(ids) if len(ids) > 1 or media is not None or slow else 0
             if media is not None and len(media.positions) and media.positions[-1] >= split:
                 raise RuntimeError("image rows past the shared prefix")
-            snapshot = self.runner.extend(self.runner.empty(), ids[0][:split], media, run_options)
-            logprobs, argmax = self.runner.suffix_logprobs(snapshot, [p[split:] for p in ids], label_ids, run_options)
+            snapshot = yield from self.runner.extending(self.runner.empty(), ids[0][:split], media, run_options)
+            yield
+            logprobs, argmax = yield from self.runner.reading_suffixes(snapshot, [p[split:] for p in ids], label_ids,
+                                                                       run_options)
         else:
-            logprobs, argmax = self.runner.whole_logprobs(ids, label_ids, media, run_options)
+            logprobs, argmax = yield from self.runner.reading_wholes(ids, label_ids, media, run_options)
         return readouts(label_ids, logprobs, argmax)
 
     # -- work the scheduler splits (runtime/scheduler.py) -----------------------------------------------------
@@ -240,6 +253,7 @@ class D1Engine(Engine):
         return [next(encoded) if p.media is not None else None for p in prepared]
 
     def use_call_cost(self, cost: CallCost) -> None:
+        super().use_call_cost(cost)
         self.runner.cost = cost
 
     def runs_whole(self, prepared: Prepared) -> bool:
@@ -251,7 +265,7 @@ class D1Engine(Engine):
         added is weighed at its fixed part, or at the cost model's floor where that is more. With reuse turned
         off, only images and prompts too long for one call keep a request whole."""
         ids = [p.token_ids for p in prepared.prompts]
-        if prepared.media is not None or not self._each_fits_one_call(ids):
+        if prepared.media is not None or not self._each_fits_one_call(ids) or self.slow_row([len(i) for i in ids]):
             return True
         if len(ids) == 1 or not self.prefix_reuse:
             return False

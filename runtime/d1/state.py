@@ -9,14 +9,14 @@ right-padded batches on that snapshot.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, pad_right
+from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, drive, pad_right
 from ..session import GraphSession
 
 
@@ -95,10 +95,17 @@ class D1TextRunner:
     def extend(self, snapshot: Snapshot, ids: Sequence[int], media: MediaRows | None = None,
                run_options=None) -> Snapshot:
         """The snapshot after `ids` more tokens (media rows at prompt positions), prefilled chunk by chunk."""
+        return drive(self.extending(snapshot, ids, media, run_options))
+
+    def extending(self, snapshot: Snapshot, ids: Sequence[int], media: MediaRows | None = None,
+                  run_options=None) -> Generator[None, None, Snapshot]:
+        """`extend` as steps, one chunk a step; a chunk is as long as the budgets and the time slice allow."""
         labels = np.zeros((1,), np.int64)
         start = 0
         while start < len(ids):
-            size = min(self.budget.chunk_length(snapshot.length), len(ids) - start)
+            if start:
+                yield
+            size = min(self.budget.chunk_length(snapshot.length, self.cost), len(ids) - start)
             chunk = np.asarray(ids[start:start + size], dtype=np.int64)[None]
             rows = None if media is None else media.window(snapshot.length, snapshot.length + size)
             feeds = self.feeds(chunk, np.array([size - 1]), labels, snapshot, rows)
@@ -146,6 +153,11 @@ class D1TextRunner:
         token [len(suffixes)] at each suffix's last token. Suffixes run in padded batches of similar lengths within
         the budgets; one too long for a batch of its own is prefilled (all but its last chunk) on a copy of the
         snapshot first."""
+        return drive(self.reading_suffixes(snapshot, suffixes, label_ids, run_options))
+
+    def reading_suffixes(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
+                         run_options=None) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
+        """`suffix_logprobs` as steps, one call a step."""
         labels = np.asarray(label_ids, dtype=np.int64)
         logprobs = np.zeros((len(suffixes), len(labels)), np.float32)
         argmax = np.zeros((len(suffixes),), np.int64)
@@ -156,12 +168,16 @@ class D1TextRunner:
                 fitting.append(index)
                 continue
             keep = self.budget.chunk_length(snapshot.length + n)  # the last chunk, read on the extended state
-            own = self.extend(snapshot, suffix[:n - keep], run_options=run_options)
+            own = yield from self.extending(snapshot, suffix[:n - keep], run_options=run_options)
+            yield
             logprobs[[index]], argmax[[index]] = self._run_rows(own, [suffix[n - keep:]], labels, None, run_options)
+            yield
         batches = self.budget.plan([len(suffixes[i]) for i in fitting], snapshot.length, self.cost)
         # The prefix's state goes to the device once, not once a batch.
         snapshot = Snapshot(snapshot.length, self.session.device_values(snapshot.states))
-        for batch in batches:
+        for number, batch in enumerate(batches):
+            if number:
+                yield
             rows = [fitting[i] for i in batch]
             logprobs[rows], argmax[rows] = self._run_rows(snapshot, [suffixes[i] for i in rows], labels, None,
                                                           run_options)
@@ -195,11 +211,19 @@ class D1TextRunner:
                        media: MediaRows | None = None, run_options=None) -> tuple[np.ndarray, np.ndarray]:
         """The same reads without prefix reuse: each whole prompt from an empty state, batched (the baseline the
         prefix saving is measured against). `media` rows sit at the same positions in every prompt."""
+        return drive(self.reading_wholes(prompts, label_ids, media, run_options))
+
+    def reading_wholes(self, prompts: Sequence[Sequence[int]], label_ids: Sequence[int],
+                       media: MediaRows | None = None, run_options=None
+                       ) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
+        """`whole_logprobs` as steps, one call a step."""
         labels = np.asarray(label_ids, dtype=np.int64)
         logprobs = np.zeros((len(prompts), len(labels)), np.float32)
         argmax = np.zeros((len(prompts),), np.int64)
         empty = self.empty()
-        for rows in self.budget.plan([len(p) for p in prompts], 0, self.cost):
+        for number, rows in enumerate(self.budget.plan([len(p) for p in prompts], 0, self.cost)):
+            if number:
+                yield
             logprobs[rows], argmax[rows] = self._run_rows(empty, [prompts[i] for i in rows], labels, media,
                                                           run_options)
         return logprobs, argmax

@@ -6,14 +6,15 @@ an empty state, and a request's questions can be read as suffixes on its shared 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
 from ...models.errors import DeviceMemoryExhausted
-from ..batch import BatchBudget, CallCost, MediaRows, TextRow, pad_right, run_in_halves
+from ..batch import BatchBudget, CallCost, MediaRows, TextRow, drive, pad_right, run_in_halves
 from ..session import GraphSession
 from .state import D3StateLayout
 
@@ -44,6 +45,10 @@ def row_feeds(rows: Sequence[TextRow], hidden: int, width: int | None = None) ->
         pos[:, index, :position.shape[1]] = position
     media = MediaRows.in_rows([row.media for row in rows], width, hidden)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **media.feeds()}
+
+
+def _host(value: Any) -> np.ndarray:
+    return value.numpy() if isinstance(value, ort.OrtValue) else value
 
 
 @dataclass(frozen=True)
@@ -95,19 +100,54 @@ class CodeLogitsRunner:
         return logits[:len(rows)]
 
     def prefill(self, row: TextRow, run_options=None) -> Prefix:
-        """The state after `row` (a request's shared prefix, media rows and all) read from the start in one call,
-        left on the device for its suffixes."""
+        """The state after `row` (a request's shared prefix, media rows and all) read from the start, left on the
+        device for its suffixes."""
+        return drive(self.prefilling(row, run_options))
+
+    def prefilling(self, row: TextRow, run_options=None) -> Generator[None, None, Prefix]:
+        """`prefill` as steps: one call a chunk, each as long as the budgets and the time slice allow (one call
+        where the prefix fits them), each chunk on the state the one before it left."""
         if self.layout is None:
             raise RuntimeError("this text graph carries no state: every prompt is read whole")
-        out = self.session.run_bound({**row_feeds([row], self.hidden), **self.start().states}, run_options)
-        return Prefix(row.length, {past: out[new] for past, new
-                                   in zip(self.layout.names("past"), self.layout.names("new"), strict=True)})
+        prefix, start = self.start(), 0
+        while start < row.length:
+            if start:
+                yield
+            size = min(self.budget.chunk_length(start, self.cost), row.length - start)
+            media = None if row.media is None else row.media.window(start, start + size)
+            chunk = TextRow(row.token_ids[start:start + size], row.positions[:, start:start + size], media)
+            out = self.session.run_bound({**row_feeds([chunk], self.hidden), **prefix.states}, run_options)
+            prefix = self._after(prefix, size, out)
+            start += size
+        return prefix
+
+    def _after(self, prefix: Prefix, size: int, out: dict[str, Any]) -> Prefix:
+        """The state after a call of `size` tokens on `prefix`: its windows and recurrent states as the call left
+        them, its keys and values after the prefix's (a call's outputs hold its own keys and values only)."""
+        names = list(zip(self.layout.names("past"), self.layout.names("new"), strict=True))
+        if not prefix.length:
+            return Prefix(size, {past: out[new] for past, new in names})
+        states = []
+        for past, new in names:
+            value = _host(out[new])
+            if "_key_" in past or "_value_" in past:
+                value = np.concatenate([_host(prefix.states[past]), value], axis=2)
+            states.append(value)
+        return Prefix(prefix.length + size, dict(zip((past for past, _ in names), self.session.device_values(states),
+                                                     strict=True)))
 
     def read_suffixes(self, prefix: Prefix, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
         """Code logits [len(rows), n_codes] of `rows` (each a question's tokens after the prefix, with their
         positions) read on `prefix`, in padded calls within the budget."""
+        return drive(self.reading_suffixes(prefix, rows, run_options))
+
+    def reading_suffixes(self, prefix: Prefix, rows: Sequence[TextRow], run_options=None
+                         ) -> Generator[None, None, np.ndarray]:
+        """`read_suffixes` as steps, one call a step."""
         out: list[np.ndarray | None] = [None] * len(rows)
-        for group in self.budget.plan([row.length for row in rows], prefix.length, self.cost):
+        for number, group in enumerate(self.budget.plan([row.length for row in rows], prefix.length, self.cost)):
+            if number:
+                yield
             for index, logits in zip(group, self.run_batch([rows[i] for i in group], run_options, prefix),
                                      strict=True):
                 out[index] = logits
@@ -128,8 +168,14 @@ class CodeLogitsRunner:
 
     def run_rows(self, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
         """Code logits [len(rows), n_codes] float32, in row order, in padded sub-batches within the budget."""
+        return drive(self.running_rows(rows, run_options))
+
+    def running_rows(self, rows: Sequence[TextRow], run_options=None) -> Generator[None, None, np.ndarray]:
+        """`run_rows` as steps, one call (or its halves, where the device memory refuses it) a step."""
         out: list[np.ndarray | None] = [None] * len(rows)
-        for group in self.budget.plan([row.length for row in rows], cost=self.cost):
+        for number, group in enumerate(self.budget.plan([row.length for row in rows], cost=self.cost)):
+            if number:
+                yield
             results = run_in_halves(lambda part: self.run_batch([rows[i] for i in part], run_options), group)
             for index, result in zip(group, results, strict=True):
                 if isinstance(result, DeviceMemoryExhausted):

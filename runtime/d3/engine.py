@@ -7,6 +7,7 @@ the bidirectional mode reads every whole prompt (spec 4.3)."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from ...models.family import Readout
 from ...models.questions import Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
-from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, TextRow
+from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, TextRow, drive
 from ..cuda_graphs import CaptureBuckets
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
@@ -54,7 +55,8 @@ class D3Engine(Engine):
         # The CUDA form's fused attention holds no scores; the same bound keeps every form's answers alike.
         longest = BatchBudget(attention_budget=options.attention_budget, heads=heads).longest_prompt()
         self.max_model_len = min(options.max_model_len or artifact.max_model_len, longest)
-        self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads)
+        self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads,
+                                  options.slice_s)
         self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
                                     options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
         # None for a bidirectional artifact, or a causal one exported before prefix reuse: whole prompts only.
@@ -90,13 +92,15 @@ class D3Engine(Engine):
                              self.max_model_len * self.max_chars_per_token)
         tokenizer = self.artifact.tokenizer
         # The first prompt is tokenized and checked alone: every prompt holds the state, so one too long for the
-        # model is refused before the others are tokenized (spec 4.12 names the first question that fails).
+        # model is refused before the others are tokenized (spec 4.12 names the first question that fails). Every
+        # prompt's characters were checked as it was rendered.
         if media is None:
-            first = tokenizer.encode(texts[0])
-            self._check_tokens(questions[0], len(first))
+            first = tokenizer.encode(texts[0], lambda count: self._check_tokens(questions[0], count))
+            # Each other prompt is checked as it is tokenized, before the prompts after it are.
+            rest = tokenizer.encode_checked(texts[0], first, texts[1:],
+                                            lambda index, count: self._check_tokens(questions[index + 1], count))
             prompts = [RenderedPrompt(q, t, ids, text_positions(len(ids)))
-                       for q, t, ids in zip(questions, texts,
-                                            [first, *tokenizer.encode_sharing(texts[0], first, texts[1:])])]
+                       for q, t, ids in zip(questions, texts, [first, *rest])]
             prepared_media = None
         else:
             # Spec 4.8: the first prompt is split after its last <|vision_end|>; that media prefix, tokenized
@@ -106,9 +110,11 @@ class D3Engine(Engine):
                 raise DecisionError("the questions' prompts do not share their media")
             layouts = [self.media.layout(item) for item in media.in_order()]
             prefix = expand_media(tokenizer.encode(texts[0][:split]), layouts, tokenizer.encode, tokenizer.token_id)
-            first = tokenizer.encode(texts[0][split:])
-            self._check_tokens(questions[0], len(prefix.ids) + len(first))
-            tails = [first, *tokenizer.encode_sharing(texts[0][split:], first, [t[split:] for t in texts[1:]])]
+            first = tokenizer.encode(texts[0][split:],
+                                     lambda count: self._check_tokens(questions[0], len(prefix.ids) + count))
+            tails = [first, *tokenizer.encode_checked(
+                texts[0][split:], first, [t[split:] for t in texts[1:]],
+                lambda index, count: self._check_tokens(questions[index + 1], len(prefix.ids) + count))]
             prompts = []
             for question, text, tail in zip(questions, texts, tails):
                 ids = prefix.ids + tail
@@ -124,23 +130,36 @@ class D3Engine(Engine):
         """Each question's code logits. With `reuse_prefix` (the default) a request `runs_whole` reads its shared
         prefix once and its questions as suffixes on that state; without, or otherwise, every whole prompt is a
         row (the baseline the reuse is measured against)."""
-        rows = self.rows(prepared, encoded if encoded is not None else self.encode_media(prepared, run_options))
+        return drive(self.run_steps(prepared, run_options, encoded, reuse_prefix))
+
+    def run_steps(self, prepared: Prepared, run_options: Any = None, encoded: MediaRows | None = None,
+                  reuse_prefix: bool = True) -> Generator[None, None, list[Readout]]:
+        """`run` as steps, one graph call (the vision graph's, the prefix, a batch of rows) a step."""
+        if encoded is None and prepared.media is not None:
+            encoded = self.encode_media(prepared, run_options)
+            yield
+        rows = self.rows(prepared, encoded)
         split = self._reused_prefix(prepared) if reuse_prefix else 0
         if not split:
-            return self._readouts(self.runner.run_rows(rows, run_options))
+            return self._readouts((yield from self.runner.running_rows(rows, run_options)))
         media = rows[0].media
         if media is not None and len(media.positions) and media.positions[-1] >= split:
             raise RuntimeError("media rows past the shared prefix")
         first = rows[0]
-        prefix = self.runner.prefill(TextRow(first.token_ids[:split], first.positions[:, :split], media), run_options)
+        prefix = yield from self.runner.prefilling(TextRow(first.token_ids[:split], first.positions[:, :split], media),
+                                                   run_options)
+        yield
         suffixes = [TextRow(row.token_ids[split:], row.positions[:, split:]) for row in rows]
-        return self._readouts(self.runner.read_suffixes(prefix, suffixes, run_options))
+        return self._readouts((yield from self.runner.reading_suffixes(prefix, suffixes, run_options)))
 
     def _reused_prefix(self, prepared: Prepared) -> int:
         """The tokens of the prefix read once for this request's questions; 0 where every whole prompt is read: a
         graph without state, one question, a prefix that saves less than the call it adds
-        (`CallCost.prefix_pays`, as d1 weighs it), or reuse turned off."""
+        (`CallCost.prefix_pays`, as d1 weighs it), or reuse turned off. A prompt too slow for one call (`slow_row`)
+        on a graph with state is read on its prefix whatever the setting, the prefix prefilled in chunks."""
         ids = [p.token_ids for p in prepared.prompts]
+        if self.layout is not None and self.slow_row([len(i) for i in ids]):
+            return shared_prefix(ids)
         if self.layout is None or len(ids) < 2 or not self.prefix_reuse:
             return 0
         split = shared_prefix(ids)
@@ -160,6 +179,7 @@ class D3Engine(Engine):
         return MediaRows(self.media.encode(media.loaded, run_options), media.positions)
 
     def use_call_cost(self, cost: CallCost) -> None:
+        super().use_call_cost(cost)
         self.runner.cost = cost
 
     def rows(self, prepared: Prepared, encoded: MediaRows | None) -> list[TextRow]:

@@ -67,6 +67,9 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
                                             for i, url in enumerate(request.images or ())]
         return jobs + [(("video", url), f"videos[{i}]") for i, url in enumerate(request.videos or ())]
 
+    def url(self, key: Hashable) -> str:
+        return key[1]  # type: ignore[index]
+
     def load_one(self, key: Hashable, where: str, deadline: Deadline, allowance: MediaAllowance,
                  workers: PixelWorkers) -> Preprocessed:
         kind, url = key  # type: ignore[misc]
