@@ -1,5 +1,5 @@
 """Soak test on loopback: `systemone serve` on an artifact, good requests mixed with every hostile input the
-README's bounds cover, for a bounded time. Reports the server's RSS over time (each minute also by kind of
+bounds of docs/operations.md cover, for a bounded time. Reports the server's RSS over time (each minute also by kind of
 mapping), status counts per kind of request
 (no 5xx expected: slow media end at their fetch deadline, 422) and the good requests' latency percentiles.
 
