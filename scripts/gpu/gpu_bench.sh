@@ -7,23 +7,20 @@
 #   ../shared/device/prepare.sh flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
 # causal-conv1d has no wheel (a CUDA extension built from source): the short convolution runs transformers' torch
 # path, and the bench's report says so. Warnings are shown, never filtered.
-#   bash scripts/gpu_bench.sh checkpoint SIZE MODE      build a random-init checkpoint of SIZE (d3-* or d1-3B; MODE, the
-#                                                       d3 attention mode, is ignored for d1) and say what the machine has
-#   bash scripts/gpu_bench.sh export SIZE MODE          the same checkpoint (built if missing), exported (portable)
-#   bash scripts/gpu_bench.sh forms SIZE MODE [FORMS]   add the CUDA forms, their answer gates run on CUDA
-#   bash scripts/gpu_bench.sh precision SIZE MODE       how far torch's own half precisions are from fp32, on the
-#                                                       gate's questions
-#   bash scripts/gpu_bench.sh bench SIZE MODE [FORMS]   `systemone bench` on CUDA, onnxruntime's and the GPU's profile
-#                                                       of the text graph and (d3) the media requests' stages
-#   bash scripts/gpu_bench.sh graphs SIZE MODE [FORMS]  `systemone bench` alone, at 1 / 8 / 32 x 200 and 8 x 1000 (its
-#                                                       report: bench_SIZE_MODE.json)
-#   bash scripts/gpu_bench.sh media SIZE MODE           (d3) the media requests' stages alone; on the tiny model
-#                                                       the fetch, decode and preprocessing rows are d3-nano's
-#   bash scripts/gpu_bench.sh probes SIZE MODE          GatedDeltaNet and the short convolution alone (SIZE, MODE unused)
-#   bash scripts/gpu_bench.sh logits SIZE MODE          each text graph's code logits against torch fp32, prompt by prompt
-#   bash scripts/gpu_bench.sh vision SIZE MODE          (d3) the vision graphs' segments one run each against one
-#                                                       run of all, and the served form's profile on the seeds'
-#                                                       photo, one of its video's frame groups and all ten
+#   bash scripts/gpu/gpu_bench.sh checkpoint SIZE MODE     build a random-init checkpoint of SIZE (d3-* or d1-3B;
+#                                                          MODE, the d3 attention mode, is ignored for d1) and say
+#                                                          what the machine has
+#   bash scripts/gpu/gpu_bench.sh export SIZE MODE         the same checkpoint (built if missing), exported (portable)
+#   bash scripts/gpu/gpu_bench.sh forms SIZE MODE [FORMS]  add the CUDA forms, their answer gates run on CUDA
+#   bash scripts/gpu/gpu_bench.sh bench SIZE MODE [FORMS]  `systemone bench` on CUDA, onnxruntime's and the GPU's
+#                                                          profile of the text graph and (d3) the media requests' stages
+#   bash scripts/gpu/gpu_bench.sh graphs SIZE MODE [FORMS] `systemone bench` alone, at 1 / 8 / 32 x 200 and 8 x 1000
+#                                                          (its report: bench_SIZE_MODE.json)
+#   bash scripts/gpu/gpu_bench.sh media SIZE MODE          (d3) the media requests' stages alone; on the tiny model
+#                                                          the fetch, decode and preprocessing rows are d3-nano's
+#   bash scripts/gpu/gpu_bench.sh vision SIZE MODE         (d3) the vision graphs' segments one run each against one
+#                                                          run of all, and the served form's profile on the seeds'
+#                                                          photo, one of its video's frame groups and all ten
 # FORMS: comma-separated form names (default: every one the family declares / the artifact has for CUDA).
 # BENCH_ARGS: more `systemone bench` flags (e.g. "--repeats 5 --request-repeats 20" where the lease is short).
 set -euo pipefail
@@ -63,10 +60,6 @@ forms)
     ${forms:+--forms "$forms"}
   cp "$work/artifact/manifest.json" "$out/manifest_${size}_${mode}.json"
   ;;
-precision)
-  python3 "$repo/scripts/torch_precision.py" "$work/checkpoint" "$work/artifact" --device cuda \
-    --out "$out/torch_precision_${size}_${mode}.json"
-  ;;
 bench)
   # onnxruntime's and the GPU's own profile of the form serve takes (a failed profile does not stop the bench)
   for shape in 1x200 32x200 8x1000; do
@@ -101,18 +94,6 @@ print(sys.argv[2], r['form'], 'host ms/run', round(r['kernel_ms_per_run'],2), 'g
 'kernels/run', k.get('kernels_per_run'), {f: round(v['ms'],2) for f,v in k.get('by_family',{}).items()})" \
       "$out/profile_vision_${size}_${mode}_${shape}.json" $shape || true
   done
-  ;;
-probes)
-  # onnxruntime's GatedDeltaNet and short-convolution kernels alone at d3-nano's shapes (no checkpoint needed)
-  python3 "$repo/scripts/gdn_probe.py" --out "$out/gdn_probe.json" 2>&1 | cut -c1-400
-  for channels in 2048 6144; do
-    python3 "$repo/scripts/conv_probe.py" --channels $channels --out "$out/conv_probe_$channels.json"
-  done
-  ;;
-logits)
-  # each text graph's code logits against torch fp32 on random runs and a run of one repeated token
-  python3 "$repo/scripts/form_logits.py" "$work/checkpoint" "$work/artifact" --device cuda \
-    --out "$out/form_logits_${size}_${mode}.json"
   ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac

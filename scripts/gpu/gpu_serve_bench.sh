@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, after `bash scripts/gpu_bench.sh export SIZE MODE` in the same warm lease: our server
+# On the lent GPU machine, after `bash scripts/gpu/gpu_bench.sh export SIZE MODE` in the same warm lease: our server
 # and the reference server (systemone/reference_server.py: the checkpoint's own runtime in bf16, flash-linear-
 # attention where its wheels were carried, vision once a request, a request's questions in one forward) on the
 # same GPU, then the seeds' mix at 1, 8 and 64 closed-loop clients against each (`systemone bench --serve`, its
@@ -11,7 +11,7 @@
 #     uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 annotated-types==0.8.0 typing-inspection==0.4.5 click==8.5.1 \
 #     zstandard==0.25.0 opentelemetry-api==1.45.2 annotated-doc==0.0.7 typing_extensions==4.16.0 httptools==0.9.0 \
 #     uvloop==0.23.0 pybase64==1.5.1 flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
-#   bash scripts/gpu_serve_bench.sh SIZE MODE [SECONDS]
+#   bash scripts/gpu/gpu_serve_bench.sh SIZE MODE [SECONDS]
 # SERVE_ARGS: more `systemone serve` flags (e.g. "--gpu-memory 6"); REFERENCE=0: our server alone; TAG: a suffix for
 # the result files; CLIENTS (1 8 64): the mix's client counts; TEXT1=0: no text-only run; MP4=1: the mix again with its video also sent as an MPEG-4 file (kind mp4). Each run reports
 # the most GPU memory each server process and the device held (nvidia-smi).
