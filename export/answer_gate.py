@@ -1,5 +1,6 @@
-"""The answer-level gate a half-precision form must pass against the torch fp32 model (docs/gpu.md, "The CUDA
-form"): every question's probabilities through the runtime on that form, against the torch model read the same way.
+"""The answer-level gate a half-precision form must pass against the torch fp32 model
+(docs/decisions/cuda-form-ladder.md): every question's probabilities through the runtime on that form, against the
+torch model read the same way.
 
 A form passes when, over at least `min_questions` questions, the largest |dp| is at most `max_dp`, the median of
 each question's largest |dp| is at most `median_dp`, and the pick is the reference's wherever the reference's top

@@ -75,7 +75,7 @@ class RuntimeFiles:
 
 @dataclass(frozen=True)
 class HalfForm:
-    """A half-precision form export writes beside the portable fp32 graphs (docs/gpu.md, "The CUDA form"): the
+    """A half-precision form export writes beside the portable fp32 graphs (docs/decisions/cuda-form-ladder.md): the
     graphs it rewrites, each with the outputs that stay fp32 (the readout), and the questions its answer gate
     compares: `answer_pairs(service)` runs them through `service` (the runtime on this form) and the torch model."""
 

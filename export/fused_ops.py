@@ -1,4 +1,4 @@
-"""onnxruntime's fused contrib ops that more than one family's CUDA form writes (docs/gpu.md, "The fused form"), and
+"""onnxruntime's fused contrib ops that more than one family's CUDA form writes (docs/decisions/fused-ops.md), and
 the way every family's fused ops are declared.
 
 Each fused op is a torch custom op (`systemone::...`) whose eager body is the portable graph's computation, and a

@@ -1,5 +1,5 @@
 """An exported fp32 graph rewritten in half precision (fp16) for the CUDA provider, at one of two precisions
-(docs/gpu.md, "The CUDA form"):
+(docs/decisions/cuda-form-ladder.md):
 
 - `FLOAT16`: every node in fp16 except what fp16 would spoil: the Gated DeltaNet decay (Softplus, Exp, CumSum) and
   its recurrence (the Scan loop and the state it carries).

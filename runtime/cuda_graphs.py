@@ -1,6 +1,6 @@
-"""CUDA graphs for a text graph's small runs (docs/gpu.md, "CUDA graphs"): d3's rows, and d1's whole prompts from an
-empty state (its one-question requests; a prefix and its suffix reads have a past of any length and run
-uncaptured).
+"""CUDA graphs for a text graph's small runs (docs/decisions/cuda-graph-buckets.md): d3's rows, and d1's whole
+prompts from an empty state (its one-question requests; a prefix and its suffix reads have a past of any length and
+run uncaptured).
 
 A batch of a few short prompts is bound by launches, not arithmetic: hundreds of small kernels, each with
 onnxruntime's host-side work around it. onnxruntime's CUDA provider can capture a whole run as one CUDA graph and

@@ -45,7 +45,7 @@ def provider_options(provider: str, gpu_memory: int | None, capture: bool = Fals
 
 # onnxruntime's CUDA provider reads this once a process, at its first fp16 matrix product; bit 0x02 forbids cuBLAS to
 # reduce split-K partial sums in fp16. Left to cuBLAS, the reduction's precision follows the product's shape, so a
-# question's answer moved with the rows it shared a call with (docs/gpu.md, "Sixth run").
+# question's answer moved with the rows it shared a call with (docs/decisions/form-gate-batching.md).
 GEMM_OPTIONS = "ORT_CUDA_GEMM_OPTIONS"
 FP32_REDUCTIONS = "2"
 

@@ -1,4 +1,4 @@
-"""Concurrency on CPU (README "Serving under load"): `systemone serve` at its default flags on an artifact, then one
+"""Concurrency on CPU (docs/operations.md): `systemone serve` at its default flags on an artifact, then one
 client and 16 clients in a closed loop (systemone/loadgen.py, the seeds' mix) side by side in rounds, and a sample
 of the 16-client answers sent again one at a time. Reports requests/s at each count, their ratio (median over the
 rounds) and the largest probability difference, and writes the JSON report.

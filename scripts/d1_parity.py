@@ -1,4 +1,4 @@
-"""d1 ONNX-vs-torch answer parity and the prefix-reuse benchmark (tests on CPU, scripts/d1_gpu_check.sh on CUDA).
+"""d1 ONNX-vs-torch answer parity and the prefix-reuse benchmark (CPU or CUDA).
 
 Parity: the runtime (shared prefix prefilled once, questions as suffixes) against transformers' LFM2-VL run on each
 question's whole prompt (its own vision tower on the same pixel crops), both read as spec 3.7 reads: every pick,

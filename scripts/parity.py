@@ -1,5 +1,4 @@
-"""d3 ONNX-vs-torch answer parity (systemone.export.d3.answer_parity) and timing, on CPU or CUDA
-(scripts/gpu_check.sh runs it on the lent GPU)."""
+"""d3 ONNX-vs-torch answer parity (systemone.export.d3.answer_parity) and timing, on CPU or CUDA."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Soak test on loopback: `systemone serve` on an artifact, good requests mixed with every hostile input the
-README's bounds cover, for a bounded time. Reports the server's RSS over time (each minute also by kind of
+bounds of docs/operations.md cover, for a bounded time. Reports the server's RSS over time (each minute also by kind of
 mapping, and its floor in each window), status counts per kind of request (5xx only as an overloaded server's 503
 for an attack; slow media end at their fetch deadline, 422) and the good requests' latency percentiles, overall and
 per window.

@@ -5,7 +5,7 @@ groups of 20x36 patches) and four photos of 60x80, each as one run per segment a
 (the same rows: each segment attends only to itself). The encoder runs segments together on a GPU and alone on the
 CPU (runtime/d3/media.py), from this script's figures: on two CPU cores (tiny d3, portable graph) the video took 21
 ms in ten runs and 38 ms in one (scripts/results/vision_runs_cpu_d3_tiny.txt); on the H200 (d3-nano, the fused
-form) 66.0 ms in ten and 31.9 ms in one (scripts/results/gpu_vision_runs_d3-nano_noncausal_ninth.txt).
+form) 66.0 ms in ten and 31.9 ms in one (scripts/results/gpu_vision_runs_d3-nano_noncausal.txt).
 
     python scripts/vision_runs.py ARTIFACT [--device cuda]
 """

@@ -81,7 +81,7 @@ async def client_gone(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
     """Returns once the client has left. After a request's body, the next ASGI message is `http.disconnect`, which
     the server sends when the connection is lost (or the response has gone out): awaited once a request, where
     asking for it without waiting (Starlette's `is_disconnected`) every 50 ms took a tenth of the event loop's time
-    under text-only load (docs/gpu.md, "Twenty-first run")."""
+    under text-only load (docs/decisions/http-stack.md)."""
     try:
         while (await receive())["type"] != "http.disconnect":
             pass

@@ -1,4 +1,4 @@
-"""The attention budget is real (README, "Bounds under hostile load"): a request of two of the longest prompts the budget
+"""The attention budget is real (docs/operations.md): a request of two of the longest prompts the budget
 accepts stays, at its peak, within the budget (measured in an RSS-capped subprocess, tests/memory_probe.py)."""
 
 from __future__ import annotations

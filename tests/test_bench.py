@@ -60,7 +60,8 @@ def test_bench_compares_the_same_batches(family, request):
         # Requests are timed as serve answers them: after the start-up measurement that groups their calls.
         assert "a call costs" in form["batch_sizing"]
     # d3's half-precision form is smaller on disk (its readout is tiny). d1's keeps its LM head fp32 beside the
-    # fp16 embedding table it is tied to, which dominates a tiny model: there the form is larger (docs/gpu.md).
+    # fp16 embedding table it is tied to, which dominates a tiny model: there the form is larger
+    # (docs/decisions/cuda-form-ladder.md).
     if family == "d3":
         assert report["forms"][half]["graph_bytes"] < 0.75 * report["forms"]["portable"]["graph_bytes"]
     assert report["artifact_bytes"] > 0

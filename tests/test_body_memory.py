@@ -1,4 +1,4 @@
-"""What request bodies hold before admission is under one budget (README "Bounds under hostile load",
+"""What request bodies hold before admission is under one budget (docs/operations.md "Bounds under hostile load",
 --max-body-memory): a body is charged its bytes as they arrive, then, before it is parsed, an upper bound of what
 reading it holds; a body over the budget alone is a 413; one that needs room others hold cuts off the bodies
 arriving longest, else is a 503 + Retry-After."""

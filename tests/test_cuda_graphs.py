@@ -1,7 +1,7 @@
-"""CUDA graphs for small text-graph runs (docs/gpu.md, "CUDA graphs"): a run of a few short rows is padded up to a
-captured (batch, length) bucket, and the padding changes no row's logits. The capture itself is onnxruntime's and
-needs the CUDA provider (scripts/gpu_bench.sh checks it there); what is ours, the buckets and the padding, is
-checked here on the CPU."""
+"""CUDA graphs for small text-graph runs (docs/decisions/cuda-graph-buckets.md): a run of a few short rows is padded
+up to a captured (batch, length) bucket, and the padding changes no row's logits. The capture itself is onnxruntime's
+and needs the CUDA provider (scripts/gpu/gpu_bench.sh checks it there); what is ours, the buckets and the padding,
+is checked here on the CPU."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def test_single_frame_videos_are_refused():
         video_size(1, 100, 100)
 
 
-# -- decoding only what sampling needs (README: bounds under hostile load) ----------------------------------
+# -- decoding only what sampling needs (docs/operations.md: bounds under hostile load) ----------------------
 def _one_after_another(path):
     """Spec 4.10 step 2 as the reference reads: grab every frame up to the last sampled one, retrieve the sampled."""
     import cv2

@@ -1,4 +1,4 @@
-"""Deadlines (spec 6.1, decision 1; README "Hostile load"): every media fetch has an overall deadline and stops
+"""Deadlines (spec 6.1, decision 1; docs/operations.md): every media fetch has an overall deadline and stops
 with its request; media work runs in its own bounded pool, so slow media servers never starve request parsing;
 --request-timeout covers media and prompts too; /ready says when the server cannot take work."""
 

@@ -1,9 +1,9 @@
 """The documentation's examples run as written: every command line of the README's and docs/'s `bash` blocks, every
 JSON block and every `python` block, against the tiny d3 artifact (the one `bash scripts/demo.sh` builds, served as
 `d3-tiny`): `systemone serve` lines serve it (until `/health` answers), `curl` lines and Python clients run against
-a live server at the demo's address.
+a live server at the demo's address. And every relative link of the README and of docs/ resolves.
 
-docs/spec.md is left out: it quotes vLLM's behaviour in fragments, not commands to run."""
+docs/spec.md is left out of the examples: it quotes vLLM's behaviour in fragments, not commands to run."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p
 ARTIFACT_NAMES = (".cache/demo/d3-tiny-onnx", "d3-edge-onnx")
 CHECKPOINT_NAMES = ("vllm-sr/d3-edge",)
 DEMO_URL = "http://127.0.0.1:8765"  # where `bash scripts/demo.sh` serves: every example's server
+LINKED = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # every page whose links must resolve
 
 
 def blocks(language: str) -> list[tuple[str, str]]:
@@ -55,6 +56,22 @@ def command_lines() -> list[tuple[str, str]]:
             if line.strip():
                 lines.append((name, line.strip()))
     return lines
+
+
+def relative_links(markdown: str) -> list[str]:
+    """The targets of a page's inline links and images that are neither URLs nor anchors of the page itself; code
+    blocks and code spans are not links."""
+    prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", markdown, flags=re.S))
+    return [target for target in re.findall(r"\]\(([^)\s]+)\)", prose)
+            if not re.match(r"[a-z][a-z0-9+.-]*:|#", target)]
+
+
+@pytest.mark.parametrize("page", LINKED, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_relative_link_points_at_a_file(page):
+    """Every relative link of the README and of docs/ (docs/decisions/ too) names a file of the checkout, read from the
+    page's own folder; its #anchor aside."""
+    targets = relative_links(page.read_text(encoding="utf-8"))
+    assert [target for target in targets if not (page.parent / target.split("#")[0]).is_file()] == []
 
 
 def test_the_docs_have_examples():

@@ -1,4 +1,4 @@
-"""The half-precision CUDA form (docs/gpu.md, "The CUDA form"): export writes it beside the portable fp32 graphs
+"""The half-precision CUDA form (docs/decisions/cuda-form-ladder.md): export writes it beside the portable fp32 graphs
 only when the whole runtime on it answers within the gate of the torch fp32 model on 200+ real questions; the
 manifest records each form with its dtype, provider and gate figures; the runtime picks the form for its device."""
 

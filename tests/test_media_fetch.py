@@ -256,7 +256,7 @@ def test_ipv6_forms_that_embed_a_public_ipv4_are_judged_by_it():
     assert media_fetch._public("2606:4700:4700::1111")
 
 
-# -- the request's download budget (README: bounds under hostile load) --------------------------------------
+# -- the request's download budget (docs/operations.md: bounds under hostile load) --------------------------
 @pytest.mark.parametrize("declare_length", [True, False])
 def test_a_requests_urls_together_stay_under_its_download_budget(monkeypatch, declare_length):
     """Four 300,000-byte files under a 1,000,000-byte request budget: three load, the fourth is a 413 naming the

@@ -1,4 +1,4 @@
-"""Memory bounded per request (README, "Bounds under hostile load"): image bombs are refused from their
+"""Memory bounded per request (docs/operations.md): image bombs are refused from their
 headers before a pixel is decoded, or decoded within the request's pixel budget; video frames are bounded in size
 and number. Each bomb runs in a subprocess whose RSS is sampled and capped, so a failure cannot take the machine
 down. Memory read for a download that is then refused goes back to the system."""
@@ -21,7 +21,7 @@ from systemone.local_server import free_port, rss_mb, serve_command, start_serve
 from tests import memory_probe
 
 NOUL = {"q": {"type": "noul", "instructions": "Is it urgent?"}}
-LIMIT_MB = 1500  # the probe ends itself past this; the README's bound is 1 GB a request
+LIMIT_MB = 1500  # the probe ends itself past this; the documented bound is 1 GB a request
 BOMB_SIDE = 13_000  # 169 megapixels: under vLLM's 178,956,970 per image, over the 70,000,000 of a request
 
 
@@ -65,7 +65,7 @@ def test_an_image_bomb_is_refused_from_its_header(request, tmp_path, bombs, name
 
 def test_images_within_the_per_image_limit_share_one_request_budget(d3_artifact, tmp_path):
     """Four distinct 8,000 x 8,000 PNGs (64 megapixels each): one fits the request's budget, the next does not;
-    the request's peak stays under the README's 1 GB."""
+    the request's peak stays under the documented 1 GB."""
     urls = [as_url(tmp_path, f"big{i}.png", saved(Image.new("1", (8000, 8000), i % 2), "PNG")) for i in range(4)]
     out = probe(d3_artifact, tmp_path, {"state": "x", "images": urls, "questions": NOUL})
     assert out.get("status") == 413 and "--max-request-pixels" in out["message"], out

@@ -1,4 +1,4 @@
-"""The scheduler (README "Serving under load", docs/architecture.md): questions of concurrent requests share padded
+"""The scheduler (docs/operations.md, docs/architecture.md): questions of concurrent requests share padded
 text-graph calls in one engine thread; a question's answer does not depend on its batch mates; a big request does
 not starve small ones; an abandoned request's rows are dropped while its batch mates are answered; a call in flight
 is stopped only when nobody in it is waiting; closing lets every submitted request finish."""

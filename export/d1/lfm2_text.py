@@ -86,7 +86,7 @@ class Lfm2ConvBlock(nn.Module):
     """LFM2's gated short convolution, continued from the previous call's window of B*x values, channels last: its
     products read and write [B, T, hidden] as they are, where a transposed view of them had a row length of T (odd
     for most prompts) and sent each layer's out projection to an unaligned kernel (d1-3B's prefill on the H200:
-    3.6 of 34 GPU ms, docs/gpu.md, "Seventeenth run"). The state keeps its [B, hidden, L-1] layout.
+    3.6 of 34 GPU ms, docs/decisions/fused-ops.md). The state keeps its [B, hidden, L-1] layout.
     `fused`: B, C and x as a product each (the CUDA form), where the portable graph splits one product's output."""
 
     def __init__(self, conv, fused: bool = False):

@@ -1,4 +1,4 @@
-"""onnxruntime's fused contrib ops for the CUDA form's d3 graphs (docs/gpu.md, "The fused form"): in the text graph,
+"""onnxruntime's fused contrib ops for the CUDA form's d3 graphs (docs/decisions/fused-ops.md): in the text graph,
 each Gated DeltaNet layer's short convolution, delta rule and gated norm as one node each, in place of the portable
 graph's dozens (and its `Scan`, which runs its loop logic on the host and cannot be captured as a CUDA graph); in
 the vision graph, each block's attention as one node, which never materialises the n x n scores.
@@ -26,7 +26,7 @@ its translation to the `com.microsoft` node); `TRANSLATIONS` holds d3's and the 
   CUDA kernel is flash attention), bidirectional with the keys bounded by each row's length, written as the mask
   layout of 3B + 2 int32 (key lengths, then the rows' query and key starts, b x L), the one onnxruntime's CUDA
   memory-efficient kernel takes. The portable graph's fp32 scores (B x heads x L x L, and their copies) were what
-  grew a serving process's GPU memory with the long media rows (docs/gpu.md, "Twelfth run").
+  grew a serving process's GPU memory with the long media rows (docs/decisions/fused-ops.md).
 """
 
 import onnx

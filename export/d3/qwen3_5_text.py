@@ -66,7 +66,7 @@ class GatedDeltaNetLayer(nn.Module):
             # The padding's rows zeroed, as transformers does. Rows are right-padded and the layer reads only back
             # in time, yet without it the portable graph's d3-nano export gave NaN on padded rows: the padding is one
             # token repeated, which the chunk solve of the time got wrong, and its garbage grew to inf and reached
-            # real rows through the chunk's products (docs/gpu.md, "Fourteenth run"). The solve is fixed; the
+            # real rows through the chunk's products (docs/decisions/delta-rule-chunk-solve.md). The solve is fixed; the
             # zeroing stays, as measured. The fused node's kernel, gated at d3-nano on CUDA without it, saves the pass.
             hidden = hidden * pad_mask[:, :, None].to(hidden.dtype)
         batch, length, _ = hidden.shape

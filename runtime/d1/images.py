@@ -54,7 +54,7 @@ class D1ImageEncoder(MediaEncoder[Lfm2Image]):
         capped = cap_pixels(rgb)
         try:
             # The resizes and patches in the pixel workers: in threads here, the GIL held them back (the H200's
-            # d1 mix at 8 clients: a photo's loading went from 0.14 s alone to 0.4-1.5 s; docs/gpu.md, eighteenth run).
+            # d1 mix at 8 clients: a photo's loading went from 0.14 s alone to 0.4-1.5 s; docs/decisions/pixel-work.md).
             image = lfm2_image(capped, self.config, workers, deadline)
         except ValueError as exc:
             raise DecisionError(f"Failed to apply Lfm2VlProcessor on {where}: {exc}") from None
@@ -93,7 +93,7 @@ def _crop_patches(images: list[Lfm2Image], group: list[tuple[int, int]]) -> np.n
     """The patches of the crops `group` ((image, crop) pairs, all of one grid) as one [crops, patches, width] array:
     consecutive crops of one image (a 1024x1024 image's four tiles and thumbnail) as a view of that image's patches,
     which the processor wrote in the graph's order; others copied together. Gathering a 1024x1024 image's crops into
-    the graph's order here took 3.9 ms on the H200's host (docs/gpu.md, nineteenth run), on the engine thread."""
+    the graph's order here took 3.9 ms on the H200's host (docs/decisions/vision-runs.md), on the engine thread."""
     n, first = group[0]
     if all(member == (n, first + k) for k, member in enumerate(group)):
         return images[n].consecutive(first, len(group))

@@ -57,7 +57,7 @@ class D3MediaEncoder(MediaEncoder[Preprocessed]):
         self.std = tuple(vision["image_std"])
         # Several segments a vision run where the graph takes them (exported since it had a `segments` input) and
         # on a GPU, where a small run's host side is the bound: the seeds' video's ten segments of 720 patches
-        # took 31.9 ms in one run against 66.0 ms in ten at d3-nano on the H200 (docs/gpu.md, ninth run). On the
+        # took 31.9 ms in one run against 66.0 ms in ten at d3-nano on the H200 (docs/decisions/vision-runs.md). On the
         # CPU one run of the video's ten segments was slower than ten (tiny d3's portable graph on two cores, 38
         # against 21 ms, scripts/vision_runs.py): there each runs alone.
         self.segments_together = "segments" in session.input_names and session.provider != CPU

@@ -16,7 +16,7 @@
 # $OUT/results.tgz.
 set -uo pipefail
 step="$1"; shift
-GPU_ENV_DEFINE_ONLY=1 source "$(dirname "${BASH_SOURCE[0]}")/../gpu_env.sh"  # gpu_install, gpu_package
+GPU_ENV_DEFINE_ONLY=1 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"  # gpu_install, gpu_package
 sizes=${SIZES:-d3-nano d3-mini d1-3B d3-edge}
 mode=${D3_MODE:-noncausal_full_attention}
 work_of() { case $1 in d1*) echo ~/work/"$1--" ;; *) echo ~/work/"$1-$mode" ;; esac; }
@@ -131,12 +131,12 @@ bench)
     t0=$(date +%s); echo "=== $what"
     case $what in
     graphs)  # d3-nano's text graph against torch at its best, 1 / 8 / 32 x 200 and 8 x 1000
-      (cd ~/repo && OUT=~/res BENCH_ARGS="${BENCH_ARGS:-}" bash scripts/gpu_bench.sh graphs d3-nano "$mode" "$(form_of d3-nano)") ;;
+      (cd ~/repo && OUT=~/res BENCH_ARGS="${BENCH_ARGS:-}" bash scripts/gpu/gpu_bench.sh graphs d3-nano "$mode" "$(form_of d3-nano)") ;;
     mix)  # d3-nano: the seeds' mix and text-only requests, ours and the reference, the published figures beside
-      (cd ~/repo && OUT=~/res bash scripts/gpu_serve_bench.sh d3-nano "$mode" "${SECONDS_EACH:-15}") ;;
+      (cd ~/repo && OUT=~/res bash scripts/gpu/gpu_serve_bench.sh d3-nano "$mode" "${SECONDS_EACH:-15}") ;;
     serve:*)  # one size served: the first answer, and the mix at 1 and 8 clients (its five kinds answered)
       size=${what#serve:}
-      (cd ~/repo && OUT=~/res REFERENCE=0 CLIENTS="1 8" TEXT1=0 bash scripts/gpu_serve_bench.sh "$size" \
+      (cd ~/repo && OUT=~/res REFERENCE=0 CLIENTS="1 8" TEXT1=0 bash scripts/gpu/gpu_serve_bench.sh "$size" \
         "$( [[ $size == d1* ]] && echo - || echo "$mode")" "${SECONDS_EACH:-8}") ;;
     *) echo "unknown bench step $what" >&2 ;;
     esac
