@@ -13,7 +13,6 @@ from typing import Any
 
 from .half_precision import FLOAT16, FLOAT16_MATMULS, FLOAT16_MIXED, Precision
 from .skeleton import Skeleton
-from .stack import Stack
 from .weights import Recipe
 
 
@@ -29,6 +28,30 @@ class AnswerTolerance:
     median_dp: float = 0.003
     pick_margin: float = 0.02  # picks must agree wherever the reference's top two are further apart than this
     min_questions: int = 200
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of a stack: the block it stamps, its own module (whose tensors are the layer's weights, by the
+    names the block's are traced under), and which block inputs and outputs are the graph's (its state)."""
+
+    block: str
+    module: Callable[[], Any]
+    inputs: Mapping[str, str] = field(default_factory=dict)  # block input -> graph input
+    outputs: Mapping[str, str] = field(default_factory=dict)  # block output -> graph output
+
+
+@dataclass(frozen=True)
+class Stack:
+    """front -> layers (each a stamped block) -> head. A block's outputs that are not the graph's are carried to
+    the next layer, and the last layer's to the head, under their names; the front's outputs are read by every
+    block and the head."""
+
+    front: GraphSpec
+    blocks: Mapping[str, GraphSpec]
+    layers: list[Layer]
+    head: GraphSpec
+    carry: Mapping[str, str] = field(default_factory=dict)  # a block's output -> the name the next block reads
 
 
 @dataclass(frozen=True)

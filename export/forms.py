@@ -16,7 +16,8 @@ from typing import Any
 from ..runtime.artifact import FormEntry, Manifest
 from .answer_gate import gate_answers
 from .config import ExportConfig, HalfForm, ParityError
-from .graph_export import GraphExports, TracedGraph
+from .graph_export import GraphExports
+from .weights import TracedGraph
 from .half_precision import convert_to_half
 
 HALF_DTYPE = "float16"

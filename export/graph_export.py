@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ExportConfig, GraphSpec
-from .weights import (VIRTUAL, CheckpointTensors, Constant, Derived, Recipe, WeightBook, WeightError,
+from .weights import (VIRTUAL, CheckpointTensors, Constant, Derived, Recipe, TracedGraph, WeightBook, WeightError,
                       virtual_tensor)
 
 OPSET = 18
@@ -44,19 +44,6 @@ def _rewrite_rules_without(names: Collection[str]) -> Iterator[None]:
         yield
     finally:
         rewriter._DEFAULT_REWRITE_RULES = rules
-
-
-@dataclass
-class TracedGraph:
-    """A graph with virtual weights (serialized ModelProto) and the recipes they name."""
-
-    model: bytes
-    book: WeightBook
-
-    def proto(self):
-        import onnx
-
-        return onnx.ModelProto.FromString(self.model)
 
 
 # A virtual weight this small may be read while the graph is traced (the optimizer reads small constants, and its

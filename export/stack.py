@@ -10,38 +10,10 @@ outputs are the graph's own."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .weights import Derived, Recipe, Stored, WeightBook, WeightError, recipe_of
-
-if TYPE_CHECKING:
-    from .config import GraphSpec
-    from .graph_export import TracedGraph
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One layer of a stack: the block it stamps, its own module (whose tensors are the layer's weights, by the
-    names the block's are traced under), and which block inputs and outputs are the graph's (its state)."""
-
-    block: str
-    module: Callable[[], Any]
-    inputs: Mapping[str, str] = field(default_factory=dict)  # block input -> graph input
-    outputs: Mapping[str, str] = field(default_factory=dict)  # block output -> graph output
-
-
-@dataclass(frozen=True)
-class Stack:
-    """front -> layers (each a stamped block) -> head. A block's outputs that are not the graph's are carried to
-    the next layer, and the last layer's to the head, under their names; the front's outputs are read by every
-    block and the head."""
-
-    front: GraphSpec
-    blocks: Mapping[str, GraphSpec]
-    layers: list[Layer]
-    head: GraphSpec
-    carry: Mapping[str, str] = field(default_factory=dict)  # a block's output -> the name the next block reads
+from .config import GraphSpec, Layer, Stack
+from .weights import Derived, Recipe, Stored, TracedGraph, WeightBook, WeightError, recipe_of
 
 
 def meta_outputs(module: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:

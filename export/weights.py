@@ -305,3 +305,16 @@ def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
             del raw
     onnx.save(model, str(path))
     return path
+
+
+@dataclass
+class TracedGraph:
+    """A graph with virtual weights (serialized ModelProto) and the recipes they name."""
+
+    model: bytes
+    book: WeightBook
+
+    def proto(self):
+        import onnx
+
+        return onnx.ModelProto.FromString(self.model)

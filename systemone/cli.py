@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .artifact_cache import CACHE_ENV, default_cache_dir, servable
-from .install import missing_module_hint
+from .install import missing_module_hint, require_export_extra
 from .runtime.batch import MAX_BATCH_TOKENS
 from .runtime.devices import DEVICES
 
@@ -117,6 +117,7 @@ def _print_error(exc: Exception) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    require_export_extra()
     from .export.pipeline import add_forms, export_checkpoint
 
     if args.portable_only and (args.forms or args.add_forms):

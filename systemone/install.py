@@ -34,6 +34,15 @@ def no_onnxruntime() -> str:
             + pip_install("gpu") + " (NVIDIA, CUDA) or " + pip_install("rocm") + " (AMD)")
 
 
+def require_export_extra() -> None:
+    """Import what `systemone export` needs before it starts, so that a missing extra is its first and only line
+    (ModuleNotFoundError names the module; the CLI turns it into a hint)."""
+    import importlib
+
+    for module in sorted(EXPORT_MODULES):
+        importlib.import_module(module)
+
+
 def missing_module_hint(module: str | None, command: str) -> str | None:
     """One line saying which extra `systemone COMMAND` needs when `module` is missing; None for a module no extra
     brings."""

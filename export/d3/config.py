@@ -22,7 +22,8 @@ from ...runtime.session import GraphSession
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
 from ..half_precision import FLOAT16_MATMULS
 from ..skeleton import Skeleton
-from ..stack import Layer, Stack, meta_outputs
+from ..config import Layer, Stack
+from ..stack import meta_outputs
 from ..parity import check_parity, sample_prompts, worst_vision_sample
 from .fused_ops import TRANSLATIONS
 from .qwen3_5_text import D3TextGraph, GatedDeltaNetLayer
