@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from scripts.build_d1_checkpoint import build_d1_checkpoint
-from scripts.build_d3_checkpoint import build_d3_checkpoint
+from tests.d1_checkpoint import build_d1_checkpoint
+from tests.d3_checkpoint import build_d3_checkpoint
 from systemone.export.pipeline import export_checkpoint
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
@@ -20,6 +21,40 @@ from systemone.runtime.service import DecisionService
 # portable graphs only unless asked).
 EVERY_FORM = ["portable", "cuda-fused-fp16", "cuda-fused-mixed", "cuda-fused", "cuda-fp16", "cuda-mixed",
               "cuda-fp16-matmuls"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def traces_made_once_per_checkpoint() -> Iterator[None]:
+    """A checkpoint's graphs traced once per test run: many tests export the same tiny checkpoint (other forms,
+    other gates) and its graphs are the same each time. Keyed by the checkpoint's files as they are now. Traces in
+    worker processes (jobs > 1), tests that call `trace_graph` themselves and tests that watch it (patch it) still
+    trace."""
+    from systemone.export import graph_export
+
+    traced: dict[tuple, graph_export.TracedGraph] = {}
+    wait, trace_graph = graph_export.GraphExports.wait, graph_export.trace_graph
+
+    def checkpoint_state(root: Path) -> str:
+        digest = hashlib.sha256()
+        for path in sorted(root.iterdir()):
+            if path.is_file():
+                stat = path.stat()
+                digest.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+        return digest.hexdigest()
+
+    def once(self, key, spec):
+        if self.pool is not None or key in self.done or graph_export.trace_graph is not trace_graph:
+            return wait(self, key, spec)
+        memo = (self.config_class.__qualname__, str(Path(self.checkpoint).resolve()),
+                checkpoint_state(Path(self.checkpoint)), tuple(key), self.seed)
+        if memo not in traced:
+            traced[memo] = wait(self, key, spec)
+        self.done[key] = traced[memo]
+        return traced[memo]
+
+    graph_export.GraphExports.wait = once
+    yield
+    graph_export.GraphExports.wait = wait
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,13 @@ from systemone.models.family import Readout
 from tests.answer_helpers import max_probability_diff
 
 
+@pytest.fixture(autouse=True)
+def unsliced(d1_service, monkeypatch):
+    """The calls these tests count are those of a prompt read whole: no time slice, whatever call cost another test
+    measured into the shared service (on a loaded host a prompt's measured cost passes the slice and is chunked)."""
+    monkeypatch.setattr(d1_service.engine, "budget", dataclasses.replace(d1_service.engine.budget, slice_s=None))
+
+
 @pytest.fixture(scope="module")
 def reference(d1_checkpoint):
     return D1ExportConfig(d1_checkpoint)
