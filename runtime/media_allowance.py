@@ -21,7 +21,7 @@ class MediaBudget:
     video_frame_pixels: int = 3840 * 2160  # one frame at most 4K UHD, read from the container before decoding
     jpeg_video_frames: int = 64  # `data:video/jpeg` frames (spec 4.10 does not sample them): twice the 32 sampled
     # Pixels decoded to reach one video's sampled frames (skipped frames are decoded too, see d3/frame_plan.py):
-    # about 4,800 1080p or 1,200 4K frames, and seconds of decoding (README: bounds under hostile load).
+    # about 4,800 1080p or 1,200 4K frames, and seconds of decoding (docs/operations.md, "Bounds under hostile load").
     video_decode_pixels: int = 10_000_000_000
     # What the media being loaded for all requests together may take at once: two requests' worth, so concurrent
     # requests cannot multiply the per-request bound (8 requests of one 8300x8300 WebP each reached 8.6 GB).

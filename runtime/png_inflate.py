@@ -2,7 +2,7 @@
 
 Pillow inflates a PNG's IDAT stream with zlib, and for a photo or noise that is most of its decode: the bench's
 1024x1024 PNG took 23.6 ms on two cores, 18.9 of them zlib's inflate, which libdeflate does in 8.2
-(`scripts/png_decode_timing.py`; README, "Images and videos"). So `stored_png` inflates the stream with libdeflate
+(`scripts/png_decode_timing.py`; docs/decisions/media-decode.md). So `stored_png` inflates the stream with libdeflate
 and hands Pillow the same PNG with that data stored (deflate's uncompressed blocks): Pillow then only copies and
 unfilters the same bytes, so the pixels are the same. Every other chunk is kept as it came, in its place. The
 inflate lets go of the GIL, as zlib's does: a media worker decodes beside the engine thread.

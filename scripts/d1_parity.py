@@ -51,7 +51,7 @@ def main() -> None:
     from pathlib import Path
 
     sys.path.append(str(Path(__file__).resolve().parents[1]))
-    from scripts.build_d1_checkpoint import SIZES, build_d1_checkpoint
+    from tests.d1_checkpoint import SIZES, build_d1_checkpoint
     from systemone.export.d1.config import D1ExportConfig
     from systemone.export.pipeline import export_checkpoint
     from systemone.runtime.artifact import Artifact

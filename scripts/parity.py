@@ -34,7 +34,7 @@ def main() -> None:
     from pathlib import Path
 
     sys.path.append(str(Path(__file__).resolve().parents[1]))
-    from scripts.build_d3_checkpoint import RELEASED_TEXT, build_d3_checkpoint
+    from tests.d3_checkpoint import RELEASED_TEXT, build_d3_checkpoint
     from systemone.export.d3.config import D3ExportConfig
     from systemone.export.pipeline import export_checkpoint
     from systemone.runtime.artifact import Artifact

@@ -33,7 +33,13 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from systemone.local_server import free_port, rss_mb, serve_command, start_server
+from systemone.local_server import (
+    free_port,
+    resident_by_mapping,
+    rss_mb,
+    serve_command,
+    start_server,
+)
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = {"state": {"ticket": "printer on fire", "priority": "high"},
@@ -223,26 +229,6 @@ def attacks(port: int, media: Path, drip_url: str, failing_url: str, endless_url
         "nat64_and_192_0_0": {"state": "x", "images": ["http://[64:ff9b::]/a.png", "http://192.0.0.9/a.png",
                                                        "http://[64:ff9b:1:7f00:1::]/a.png"], "questions": q},
     }
-
-
-def resident_by_mapping(pid: int) -> dict[str, float]:
-    """The server's resident memory in MiB by the kind of mapping holding it (/proc/PID/smaps), read from outside
-    so that the sampling allocates nothing in the server: glibc's main heap, anonymous mappings (glibc's other
-    arenas, buffers it maps, Python's object arenas, thread stacks), the graphs' weight files, shared libraries."""
-    kinds: Counter = Counter()
-    kind = "anonymous"
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            first = line.split(None, 1)[0]
-            if not first.endswith(":"):  # a mapping's header: address range, perms, offset, device, inode, path
-                fields = line.split()
-                path = fields[5] if len(fields) > 5 else ""
-                kind = ("heap" if path == "[heap]" else "anonymous" if not path or path.startswith("[anon")
-                        else "stack and kernel" if path.startswith("[")
-                        else "graph files" if ".onnx" in path else "libraries" if ".so" in path else "other files")
-            elif first == "Rss:":
-                kinds[kind] += int(line.split()[1]) / 1024
-    return {k: round(v, 1) for k, v in sorted(kinds.items())}
 
 
 def percentile(values: list[float], p: float) -> float:

@@ -5,7 +5,7 @@ buffer freed (up to 32 MiB), so decoded images, frames and graph tensors then co
 block in the middle stays resident; and each thread that allocates may get its own arena to fragment. A fixed
 threshold maps every buffer of at least `mmap_threshold` on its own and unmaps it on free; two arenas bound the
 fragmentation across the media and engine threads. On the 8-minute loopback soak (scripts/soak.py, tiny d3) this
-halved the RSS after warm-up with the same latencies (README, "Bounds").
+halved the RSS after warm-up with the same latencies (docs/decisions/allocator.md).
 
 Fixing the mmap threshold also fixes glibc's trim threshold at its 128 KiB default: every time the top of a heap
 held more than that free, it was given back, and the next buffer there was faulted in afresh. Media preprocessing

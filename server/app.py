@@ -1,5 +1,5 @@
 """The HTTP surface: `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /ready`, `GET /metrics` (spec 1,
-5, 6; README).
+5, 6; docs/api.md).
 
 A request flows: auth -> body (size cap, zstd/gzip, JSON) and checks in the parsing pool -> media in the media
 pool (runtime/media_pool.py) -> prompts in the parsing pool -> admission (bounded running + queue) -> the

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,26 @@ def rss_mb(pid: int | str = "self") -> float:
     """The resident memory of process `pid` (this one by default), in MiB."""
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def resident_by_mapping(pid: int) -> dict[str, float]:
+    """Process `pid`'s resident memory in MiB by the kind of mapping holding it (/proc/PID/smaps), read from outside
+    so that the sampling allocates nothing in the server: glibc's main heap, anonymous mappings (glibc's other
+    arenas, buffers it maps, Python's object arenas, thread stacks), the graphs' weight files, shared libraries."""
+    kinds: Counter[str] = Counter()
+    kind = "anonymous"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if not first.endswith(":"):  # a mapping's header: address range, perms, offset, device, inode, path
+                fields = line.split()
+                path = fields[5] if len(fields) > 5 else ""
+                kind = ("heap" if path == "[heap]" else "anonymous" if not path or path.startswith("[anon")
+                        else "stack and kernel" if path.startswith("[")
+                        else "graph files" if ".onnx" in path else "libraries" if ".so" in path else "other files")
+            elif first == "Rss:":
+                kinds[kind] += int(line.split()[1]) / 1024
+    return {k: round(v, 1) for k, v in sorted(kinds.items())}
 
 
 def serve_command(artifact: str | Path, port: int, *flags: str) -> list[str]:

@@ -24,8 +24,8 @@ import json
 import shutil
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
-TOKENIZER_GZ = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "lfm2" / "tokenizer.json.gz"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+TOKENIZER_GZ = FIXTURES / "lfm2" / "tokenizer.json.gz"
 
 IMAGE_TOKEN_ID = 396
 GRID_SIDE = 10  # max_tiles=10 allows up to 10 rows or columns
@@ -111,7 +111,7 @@ def write_tokenizer_files(out: Path) -> None:
         "image_token": "<image>", "image_start_token": "<|image_start|>", "image_end_token": "<|image_end|>",
         "image_thumbnail_token": "<|img_thumbnail|>",
     }, indent=2))
-    shutil.copyfile(ASSETS / "lfm2_vl_chat_template.jinja", out / "chat_template.jinja")
+    shutil.copyfile(FIXTURES / "lfm2" / "chat_template.jinja", out / "chat_template.jinja")
 
 
 def write_processor_files(out: Path) -> None:

@@ -19,9 +19,9 @@ import json
 import shutil
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
-TOKENIZER_GZ = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3_5" / "tokenizer.json.gz"
-CODES_FILE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3_5" / "golden_prompts_jigor.json"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+TOKENIZER_GZ = FIXTURES / "qwen3_5" / "tokenizer.json.gz"
+CODES_FILE = FIXTURES / "qwen3_5" / "golden_prompts_jigor.json"
 
 # Shapes of the Qwen3.5 backbones behind each released d3 size (0.8B for edge/lite, 2B nano, 4B mini, 9B flash,
 # 27B d3), as third-party copies of the Qwen3.5 configs give them. Not verified against the released d3 files
@@ -101,7 +101,7 @@ def write_tokenizer_files(out: Path) -> None:
         "split_special_tokens": False,
         "model_max_length": 262144,
     }, indent=2))
-    shutil.copyfile(ASSETS / "qwen3_5_chat_template.jinja", out / "chat_template.jinja")
+    shutil.copyfile(FIXTURES / "qwen3_5" / "chat_template.jinja", out / "chat_template.jinja")
 
 
 def write_processor_files(out: Path) -> None:

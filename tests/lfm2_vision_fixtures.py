@@ -6,7 +6,7 @@ The images are generated from their names (no image files are stored). Run once 
 environment with torchvision (torch 2.14.1 + torchvision 0.29.1 + transformers 5.20.2 here; torchvision does not
 import beside the torch 2.13 CPU wheel the project tests with):
 
-    /work/tvenv/bin/python scripts/lfm2_vision_fixtures.py     # writes tests/fixtures/vision/lfm2_processor.npz
+    /work/tvenv/bin/python -m tests.lfm2_vision_fixtures     # writes tests/fixtures/vision/lfm2_processor.npz
 
 Torchvision resizes uint8 images natively (int16 fixed point) only on CPUs with AVX2/AVX512 (or arm64); elsewhere
 it goes through float32, which rounds differently. The script refuses to run without that native path.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vision" / "lfm2_processor.npz"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "vision" / "lfm2_processor.npz"
 # (width, height) as the processor receives them.
 SIZES = {"vga-640x480": (640, 480), "small-200x100": (200, 100), "square-1024": (1024, 1024),
          "capped-1448x724": (1448, 724), "capped-1365x768": (1365, 768), "strip-4000x100": (4000, 100),

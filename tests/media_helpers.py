@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import numpy as np
 from PIL import Image
 
-from scripts.vision_fixtures import fixture_image
+from tests.vision_fixtures import fixture_image
 from systemone.runtime.media_encoder import MediaEncoder
 from systemone.runtime.media_errors import MediaError
 

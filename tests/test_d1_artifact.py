@@ -10,7 +10,7 @@ import shutil
 import pytest
 from safetensors import safe_open
 
-from scripts.build_d1_checkpoint import image_token_names
+from tests.d1_checkpoint import image_token_names
 from systemone.export.d1.config import D1ExportConfig
 from systemone.export.pipeline import ParityError, export_checkpoint
 from systemone.models.errors import DecisionError

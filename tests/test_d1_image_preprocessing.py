@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from scripts.lfm2_vision_fixtures import FIXTURE, RESIZE_CASES, SIZES, decode_crop, fixture_image, resize_case
+from tests.lfm2_vision_fixtures import FIXTURE, RESIZE_CASES, SIZES, decode_crop, fixture_image, resize_case
 from systemone.runtime.d1.cells import unshuffle_order
 from systemone.runtime.d1.image_processor import (Lfm2ImageConfig, cap_pixels, grid_layout, lfm2_image,
                                                   placeholder_text, smart_size)

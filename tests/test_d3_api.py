@@ -14,7 +14,7 @@ from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from systemone.server.app import create_app
-from scripts.vision_fixtures import fixture_image
+from tests.vision_fixtures import fixture_image
 from tests.http_helpers import assert_error, post
 from tests.media_helpers import encoded
 

@@ -9,7 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from scripts.vision_fixtures import FIXTURE, MAX_PIXELS, MEAN, MIN_PIXELS, SIZES, STD, fixture_image
+from tests.vision_fixtures import FIXTURE, MAX_PIXELS, MEAN, MIN_PIXELS, SIZES, STD, fixture_image
 from systemone.runtime.image_transform import qwen_image, smart_resize
 
 REFERENCE = np.load(FIXTURE)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from scripts.vision_fixtures import fixture_image
+from tests.vision_fixtures import fixture_image
 from systemone.export.d3.config import D3ExportConfig
 from systemone.models.family import Readout
 from systemone.models.questions import first_argmax

@@ -8,7 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from scripts.vision_fixtures import FIXTURE, MEAN, STD, VIDEOS, fixture_frames
+from tests.vision_fixtures import FIXTURE, MEAN, STD, VIDEOS, fixture_frames
 from systemone.models.errors import TimedOut
 from systemone.runtime.d3.frame_plan import plan_reads
 from systemone.runtime.d3.video import decode_video, qwen_video, sample_indices, timestamps, video_size

@@ -77,3 +77,12 @@ def test_no_import_cycles():
     for node in edges:
         if node not in state:
             visit(node, [])
+
+
+def test_tests_import_nothing_from_scripts():
+    """scripts/ holds tools someone runs; what a test needs lives in the package or beside the tests."""
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        named = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+        named += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and not node.level]
+        assert not [name for name in named if name.split(".")[0] == "scripts"], path.name

@@ -4,12 +4,52 @@ answered or refused with 503 + Retry-After; none fails, hangs or gets another 5x
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from collections import Counter
+from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 
-from scripts.load_test import phase
 from systemone.server.app import ServerOptions
 from tests.live_server import live_server
+
+REQUEST = json.loads((Path(__file__).parent.parent / "scripts" / "demo_request.json").read_text())
+
+
+async def phase(base: str, clients: int, per_client: int, timeout: float) -> dict:
+    statuses: Counter[str] = Counter()
+    latencies: list[float] = []
+    body = json.dumps({**REQUEST, "model": None}).encode()
+
+    async def client(http: httpx.AsyncClient) -> None:
+        for _ in range(per_client):
+            start = time.perf_counter()
+            try:
+                response = await http.post("/v1/systemone", content=body, headers={"Content-Type": "application/json"})
+                response.json()
+                statuses[str(response.status_code)] += 1
+                if response.status_code == 200:
+                    latencies.append(time.perf_counter() - start)
+                elif response.status_code == 503 and "retry-after" not in response.headers:
+                    statuses["503 without Retry-After"] += 1
+            except Exception as exc:  # a hang (timeout), a reset, a non-JSON body
+                statuses[f"failed: {type(exc).__name__}"] += 1
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=base, timeout=timeout, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        wall = time.perf_counter() - start
+    pct = {f"p{p}": float(np.percentile(latencies, p)) for p in (50, 90, 99)} if latencies else {}
+    return {"clients": clients, "requests": clients * per_client, "answered": statuses.get("200", 0),
+            "refused_503": statuses.get("503", 0), "refused_429": statuses.get("429", 0),
+            "failed": sum(n for s, n in statuses.items() if not s.isdigit()),
+            "other_5xx": sum(n for s, n in statuses.items() if s.isdigit() and s.startswith("5") and s != "503"),
+            "statuses": dict(statuses), "wall_seconds": wall, "latency_seconds": pct}
+
 
 
 @pytest.mark.parametrize("max_concurrency, max_queue, max_batch_rows", [(1, 4, 1), (4, 4, 4)])

@@ -21,7 +21,7 @@ from systemone.runtime.service import DecisionService
 from tests.live_server import live_server
 from tests.media_helpers import CountingServer, data_url, encoded, png_chunk, test_images, write_video
 
-from scripts.vision_fixtures import fixture_image
+from tests.vision_fixtures import fixture_image
 
 
 def png_header(width: int, height: int, idat: bytes = b"\x00" * 64, crc_ok: bool = True) -> bytes:

@@ -7,8 +7,7 @@ import os
 
 import numpy as np
 
-from scripts.soak import resident_by_mapping
-from systemone.local_server import rss_mb
+from systemone.local_server import resident_by_mapping, rss_mb
 
 
 def test_resident_memory_by_mapping_adds_up_to_the_rss_and_sees_a_new_buffer():

@@ -6,7 +6,7 @@ with torchvision (torch 2.14.1 + torchvision 0.29.1 here; torchvision does not i
 wheel the project tests with), writes tests/fixtures/vision/qwen_processors.npz (Qwen3VLVideoProcessor outputs too, configured as
 vLLM's D3ProcessingInfo configures it: per-frame cap, 196 tokens a frame, no frame sampling).
 
-    python scripts/vision_fixtures.py            # regenerate the fixture
+    python -m tests.vision_fixtures            # regenerate the fixture
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vision" / "qwen_processors.npz"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "vision" / "qwen_processors.npz"
 SIZES = {"tiny-50x50": (50, 50), "square-100": (100, 100), "vga-640x480": (640, 480), "wide-1920x1080": (1920, 1080),
          "photo-4000x3000": (4000, 3000), "strip-2000x40": (2000, 40), "tall-300x1200": (300, 1200),
          "odd-517x333": (517, 333)}
