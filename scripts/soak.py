@@ -169,6 +169,13 @@ def cjk_state(chars: int) -> bytes:
     return ('{"state": "' + "\\u4f60\\u597d" * (chars // 2) + '", "questions": {"q": {"type": "noul"}}}').encode()
 
 
+def heaviest_valid(max_model_len: int) -> dict[str, object]:
+    """64 questions over a state of 3,000 words (about 4 tokens each), or as many as the served model's
+    max_model_len takes (a tiny checkpoint's is shorter): the heaviest request it must answer."""
+    words = " ".join(f"word{i % 977}" for i in range(min(3000, max_model_len // 5)))
+    return {"state": words, "questions": {f"q{i}": {"type": "noul", "instructions": f"Case {i}?"} for i in range(64)}}
+
+
 def attacks(port: int, media: Path, drip_url: str, failing_url: str, endless_url: str) -> dict[str, object]:
     """Each attack: a JSON body (posted), or a callable that speaks raw HTTP (the status it saw, if any)."""
     one_bit = Image.new("1", (13_000, 13_000))
@@ -182,7 +189,6 @@ def attacks(port: int, media: Path, drip_url: str, failing_url: str, endless_url
     # Under the request's pixel budget (68.9 megapixels, 2.7 KB): several at once meet the server's.
     wide_webp = base64.b64encode(saved(Image.new("RGB", (8300, 8300), (90, 120, 150)), "WEBP", lossless=True))
     q = {"q": NOUL}
-    words = " ".join(f"word{i % 977}" for i in range(3000))
     post_head = (b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n")
     return {
@@ -218,8 +224,7 @@ def attacks(port: int, media: Path, drip_url: str, failing_url: str, endless_url
         "long_cjk_state": cjk_state(2_900_000),
         "short_first_long_others": {"state": "x", "questions": {
             "q0": NOUL, **{f"q{i}": {"type": "noul", "instructions": "word " * 300_000} for i in range(1, 15)}}},
-        "heaviest_valid": {"state": words, "questions": {f"q{i}": {"type": "noul", "instructions": f"Case {i}?"}
-                                                         for i in range(64)}},
+        "heaviest_valid": heaviest_valid(10**9),  # sized to the served model once it answers /v1/models
         "wide_webp": {"state": "x", "images": ["data:image/webp;base64," + wide_webp.decode()], "questions": q},
         "failing_urls": {"state": "x", "images": [f"{failing_url}/{i}.png" for i in range(4)], "questions": q},
         "refused_download": {"state": "x", "images": [f"{endless_url}/big.png"], "questions": q},
@@ -267,6 +272,8 @@ def main() -> int:
                                         *serve_flags),
                           base, 300, stdout=subprocess.DEVNULL, stderr=open(media / "server.log", "wb"))
     try:
+        if "heaviest_valid" in kinds:
+            kinds["heaviest_valid"] = heaviest_valid(httpx.get(base + "/v1/models").json()["data"][0]["max_model_len"])
         statuses: dict[str, Counter] = defaultdict(Counter)
         good_seconds: list[float] = []
         good_at: list[float] = []  # when each good request was sent, seconds from the start
