@@ -33,13 +33,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from systemone.local_server import (
-    free_port,
-    resident_by_mapping,
-    rss_mb,
-    serve_command,
-    start_server,
-)
+from systemone.local_server import free_port, resident_by_mapping, rss_mb, serve_command, start_server
 
 NOUL = {"type": "noul", "instructions": "Is it urgent?"}
 GOOD = {"state": {"ticket": "printer on fire", "priority": "high"},
@@ -176,7 +170,8 @@ def heaviest_valid(max_model_len: int) -> dict[str, object]:
     return {"state": words, "questions": {f"q{i}": {"type": "noul", "instructions": f"Case {i}?"} for i in range(64)}}
 
 
-def attacks(port: int, media: Path, drip_url: str, failing_url: str, endless_url: str) -> dict[str, object]:
+def attacks(port: int, media: Path, drip_url: str, failing_url: str, endless_url: str,
+            max_model_len: int) -> dict[str, object]:
     """Each attack: a JSON body (posted), or a callable that speaks raw HTTP (the status it saw, if any)."""
     one_bit = Image.new("1", (13_000, 13_000))
     (media / "bomb.png").write_bytes(saved(one_bit, "PNG"))
@@ -224,7 +219,7 @@ def attacks(port: int, media: Path, drip_url: str, failing_url: str, endless_url
         "long_cjk_state": cjk_state(2_900_000),
         "short_first_long_others": {"state": "x", "questions": {
             "q0": NOUL, **{f"q{i}": {"type": "noul", "instructions": "word " * 300_000} for i in range(1, 15)}}},
-        "heaviest_valid": heaviest_valid(10**9),  # sized to the served model once it answers /v1/models
+        "heaviest_valid": heaviest_valid(max_model_len),
         "wide_webp": {"state": "x", "images": ["data:image/webp;base64," + wide_webp.decode()], "questions": q},
         "failing_urls": {"state": "x", "images": [f"{failing_url}/{i}.png" for i in range(4)], "questions": q},
         "refused_download": {"state": "x", "images": [f"{endless_url}/big.png"], "questions": q},
@@ -262,9 +257,6 @@ def main() -> int:
         threading.Thread(target=origin.serve_forever, daemon=True).start()
         urls[name] = f"http://127.0.0.1:{origin.server_address[1]}"
     port = free_port()
-    kinds = attacks(port, media, urls["drip"], urls["failing"], urls["endless"])
-    if args.only:
-        kinds = {kind: kinds[kind] for kind in args.only.split(",")}
     base = f"http://127.0.0.1:{port}"
     # Its media servers are on loopback: fetched directly, whatever proxy the environment names.
     server = start_server(serve_command(args.artifact, port, "--allow-private-media-hosts", "--no-media-proxy",
@@ -272,8 +264,10 @@ def main() -> int:
                                         *serve_flags),
                           base, 300, stdout=subprocess.DEVNULL, stderr=open(media / "server.log", "wb"))
     try:
-        if "heaviest_valid" in kinds:
-            kinds["heaviest_valid"] = heaviest_valid(httpx.get(base + "/v1/models").json()["data"][0]["max_model_len"])
+        max_model_len = httpx.get(base + "/v1/models").json()["data"][0]["max_model_len"]
+        kinds = attacks(port, media, urls["drip"], urls["failing"], urls["endless"], max_model_len)
+        if args.only:
+            kinds = {kind: kinds[kind] for kind in args.only.split(",")}
         statuses: dict[str, Counter] = defaultdict(Counter)
         good_seconds: list[float] = []
         good_at: list[float] = []  # when each good request was sent, seconds from the start

@@ -7,15 +7,16 @@ headers (a client sending them slowly, or an idle keep-alive one); only when eve
 flight is the new one closed. So connections from many addresses that hold the cap by sending nothing (each within
 the header deadline) cannot keep out a client that sends its request at once: it displaces the oldest of them.
 
-uvicorn's own limits are used where they suffice (docs/operations.md, "Bounds under hostile load"): `limit_concurrency` answers 503 once that many
-connections or tasks are open, and `timeout_keep_alive` closes idle keep-alive connections. None of them closes a
+uvicorn's own limits are used where they suffice (docs/operations.md, "Bounds under hostile load"):
+`limit_concurrency` answers 503 once that many connections or tasks are open, and `timeout_keep_alive` closes idle
+keep-alive connections. None of them closes a
 connection that sends its headers a byte at a time, refuses connections past a count before their headers arrive, or
 (with httptools, which has no cap of its own) bounds a request's header bytes, so the protocol class below does. The
 body is under the request's own deadline (server/app.py).
 
-The guard wraps uvicorn's httptools protocol where httptools is installed (a C parser; docs/decisions/http-stack.md says what it
-saves) and its pure-Python h11 protocol otherwise; both keep a connection's
-request cycle, connection set, loop and transport under the same names.
+The guard wraps uvicorn's httptools protocol where httptools is installed (a C parser; docs/decisions/http-stack.md
+says what it saves) and its pure-Python h11 protocol otherwise; both keep a connection's request cycle, connection
+set, loop and transport under the same names.
 """
 
 from __future__ import annotations

@@ -19,10 +19,9 @@ from ...runtime.d3.code_logits import CodeLogitsRunner, text_positions
 from ...runtime.d3.state import LINEAR, D3StateLayout
 from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
-from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
+from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms
 from ..half_precision import FLOAT16_MATMULS
 from ..skeleton import Skeleton
-from ..config import Layer, Stack
 from ..stack import meta_outputs
 from ..parity import check_parity, sample_prompts, worst_vision_sample
 from .fused_ops import TRANSLATIONS
