@@ -7,6 +7,9 @@
 #   then        bash scripts/gpu/lease.sh wait SECONDS until every export is done (prints the table so far)
 #   then        bash scripts/gpu/lease.sh bench STEP...  graphs (d3-nano vs torch), mix (d3-nano, ours and the
 #                                                      reference), serve SIZE (one request and the mix's five kinds)
+#   and         bash scripts/gpu/lease.sh drop SIZE...   frees the disk of sizes already measured
+#               bash scripts/gpu/lease.sh more SIZE...   builds and exports more sizes (those too large to sit on the
+#                                                      64 GB disk beside the first), then `wait` with SIZES set
 # `start` copies the tree to ~/repo and starts one chain in the background: each size's random-init checkpoint is
 # built (all at once, while the parts are gathered), then exported one after another as soon as onnxruntime-gpu is
 # in, each timed alone: wall time, peak host memory (GNU time), peak GPU memory and disk written (sampled every
@@ -143,7 +146,17 @@ bench)
     echo "=== $what: $(( $(date +%s) - t0 )) s"
   done
   ;;
-*) echo "unknown step $step (start, gather K, wait SECONDS, bench STEP...)" >&2; exit 2 ;;
+drop)
+  for size in "$@"; do rm -rf "$(work_of "$size")"; done
+  df -h ~ | tail -1
+  ;;
+more)
+  sizes="$*"
+  export -f chain build export_one sample work_of form_of && export sizes mode
+  setsid nohup bash -c chain >> ~/logs/chain.log 2>&1 < /dev/null &
+  sleep 1; tail -n 2 ~/logs/chain.log
+  ;;
+*) echo "unknown step $step (start, gather K, wait SECONDS, bench STEP..., drop SIZE..., more SIZE...)" >&2; exit 2 ;;
 esac
 cp ~/logs/*.log ~/res/ 2>/dev/null
 tar czf "${OUT:-/tmp/out}"/results.tgz -C ~/res . 2>/dev/null
