@@ -177,6 +177,15 @@ class GraphSession:
                      else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device_type, 0)
                      for a in arrays)
 
+    def held(self, values: Sequence[ort.OrtValue]) -> tuple[ort.OrtValue, ...]:
+        """`run_bound`'s device outputs made safe to keep past this session's next run (a prefix's state read by
+        later calls). Where the session replays CUDA graphs they are copied, through the host, out of its arena: a
+        captured graph writes its intermediates where it captured them, memory the arena counts free between runs
+        and may have given to these outputs (docs/decisions/cuda-graph-buckets.md)."""
+        if self.captured is None:
+            return tuple(values)
+        return self.device_values([value.numpy() for value in values])
+
     def run(self, feeds: Mapping[str, np.ndarray | ort.OrtValue], run_options: ort.RunOptions | None = None,
             fetch: Sequence[str] | None = None) -> list[np.ndarray]:
         """Run the graph; `run_options.terminate = True` from another thread stops a run in flight. A run its
@@ -195,8 +204,8 @@ class GraphSession:
     def run_bound(self, feeds: Mapping[str, np.ndarray | ort.OrtValue], run_options: ort.RunOptions | None = None,
                   on_host: Collection[str] = ()) -> dict[str, ort.OrtValue]:
         """Run the graph with IO binding: every output by name, those in `on_host` copied to the host and the
-        others left on the session's device (a d1 prefix's state, fed to its questions' reads from there);
-        `feeds` may hold `device_values`."""
+        others left on the session's device until the next run (`held` keeps them longer: a prefix's state, fed
+        to its questions' reads from there); `feeds` may hold `device_values`."""
         self.runs += 1
         if self.captured is not None:
             run_options = uncaptured(run_options)

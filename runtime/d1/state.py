@@ -113,7 +113,7 @@ class D1TextRunner:
                 # One chunk from nothing: its new state is the whole state, left on the device for the reads
                 # (on a GPU it made a round trip through pageable host memory, tens of MB at d1-3B's size).
                 out = self.session.run_bound(feeds, run_options)
-                snapshot = Snapshot(size, tuple(out[name] for name in self.new_names))
+                snapshot = Snapshot(size, self.session.held([out[name] for name in self.new_names]))
             else:  # every output, through the binding: the snapshot's state may be on the device already
                 out = self.session.run(feeds, run_options, fetch=self.session.output_names)
                 snapshot = Snapshot(snapshot.length + size, self._append(snapshot, out[2:]))

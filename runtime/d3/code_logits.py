@@ -126,7 +126,8 @@ class CodeLogitsRunner:
         them, its keys and values after the prefix's (a call's outputs hold its own keys and values only)."""
         names = list(zip(self.layout.names("past"), self.layout.names("new"), strict=True))
         if not prefix.length:
-            return Prefix(size, {past: out[new] for past, new in names})
+            return Prefix(size, dict(zip((past for past, _ in names),
+                                         self.session.held([out[new] for _, new in names]), strict=True)))
         states = []
         for past, new in names:
             value = _host(out[new])
