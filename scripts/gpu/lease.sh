@@ -28,8 +28,8 @@ form_of() { case $1 in d1*) echo cuda-fused ;; *) echo cuda-fused-mixed ;; esac;
 build() {  # SIZE: its checkpoint, in the background's first stage
   local size=$1 work
   work=$(work_of "$size")
-  if [[ $size == d1* ]]; then
-    python3 ~/repo/scripts/build_d1_checkpoint.py "$work/checkpoint" --size "$size" > /dev/null
+  if [[ $size == d1* ]]; then  # d1-tiny: the tests' tiny d1
+    python3 ~/repo/scripts/build_d1_checkpoint.py "$work/checkpoint" --size "${size/#d1-tiny/tiny}" > /dev/null
   else
     python3 ~/repo/scripts/build_d3_checkpoint.py "$work/checkpoint" --size "$size" --attention-mode "$mode" > /dev/null
   fi
@@ -137,6 +137,11 @@ bench)
       (cd ~/repo && OUT=~/res BENCH_ARGS="${BENCH_ARGS:-}" bash scripts/gpu/gpu_bench.sh graphs d3-nano "$mode" "$(form_of d3-nano)") ;;
     mix)  # d3-nano: the seeds' mix and text-only requests, ours and the reference, the published figures beside
       (cd ~/repo && OUT=~/res bash scripts/gpu/gpu_serve_bench.sh d3-nano "$mode" "${SECONDS_EACH:-15}") ;;
+    concurrency:*)  # answers under 8 clients against the same bodies alone (scripts/concurrency_check.py)
+      size=${what#concurrency:}
+      (cd ~ && python3 ~/repo/scripts/concurrency_check.py "$(work_of "$size")/artifact" \
+        --family "$( [[ $size == d1* ]] && echo d1 || echo d3)" --kinds "${KINDS:-text,image}" --clients 8 \
+        --rounds 1 --seconds "${SECONDS_EACH:-8}" --out ~/res/"concurrency_$size${TAG:+_$TAG}.json" -- --device cuda) ;;
     serve:*)  # one size served: the first answer, and the mix at 1 and 8 clients (its five kinds answered)
       size=${what#serve:}
       (cd ~/repo && OUT=~/res REFERENCE=0 CLIENTS="1 8" TEXT1=0 bash scripts/gpu/gpu_serve_bench.sh "$size" \
