@@ -166,3 +166,25 @@ def test_serve_describes_a_family_without_media_or_shared_batches(toy_artifact, 
     lines = capsys.readouterr().out.splitlines()
     assert "systemone serve: proxy         none: this family takes no media" in lines
     assert "systemone serve: batch tokens  one request a call: this family's engine shares no batches" in lines
+
+
+# One question of each registered type; a type registered without a sample here fails the test below.
+SAMPLE_CRITERIA: dict[str, Any] = {"choice": {"refund": "money back", "replace": None, "reject": None},
+                                   "noul": {"true": "the parcel is damaged"},
+                                   "score": ["none", "some", "much"]}
+
+
+@pytest.mark.parametrize("entry", list(FAMILIES), ids=lambda entry: entry.name)
+def test_every_registered_family_answers_every_registered_question_type(entry, request):
+    """Each family of the registry, served from its tiny artifact (the `<name>_service` fixture a family brings
+    with it), answers a question of each registered type with that type's answer, probabilities summing to 1."""
+    from systemone.models.questions import QUESTION_TYPES
+
+    assert set(SAMPLE_CRITERIA) == set(QUESTION_TYPES), "give every registered question type a sample question"
+    service = request.getfixturevalue(f"{entry.name}_service")
+    questions = {f"q-{name}": {"type": name, "instructions": "What should happen to the order?", "criteria": criteria}
+                 for name, criteria in SAMPLE_CRITERIA.items()}
+    answers = service.answer(service.prepare({"state": "The parcel arrived crushed.", "questions": questions}))
+    for name in QUESTION_TYPES:
+        answer = answers["answers"][f"q-{name}"]
+        assert answer["type"] == name and math.isclose(sum(answer["probabilities"].values()), 1.0, abs_tol=1e-4)
