@@ -114,6 +114,7 @@ def _indents(items: int, depth: int) -> int:
 class D1Family(Family):
     name = "d1"
     modalities = frozenset({"image"})
+    most_options = max(OPTION_LIMITS.values())
 
     def option_limit(self, question_type: str) -> int:
         return OPTION_LIMITS[question_type]

@@ -63,6 +63,7 @@ class Family(ABC):
 
     name: str
     modalities: frozenset[str]
+    most_options: int | None = None  # a bound on options every checkpoint of the family keeps (None: its config's)
 
     @classmethod
     def load(cls, root: Path) -> Family:

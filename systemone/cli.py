@@ -478,6 +478,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from .loadgen import ALL_KINDS, DEFAULT_TIMEOUT_S, KINDS, PUBLISHED
+    from .models.registry import FAMILIES
 
     formatter = _HelpFormatter
     parser = _Parser(prog="systemone", description=DESCRIPTION, epilog=EPILOG,
@@ -603,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "process given below")
     load.add_argument("--server-pid", type=int, default=None, help="the server's process id")
     load.add_argument("--reference-pid", type=int, default=None, help="the reference server's process id")
-    load.add_argument("--family", default="d3", choices=["d1", "d3"], help="which mix (d1: images, <= 26 options)")
+    load.add_argument("--family", default="d3", choices=[entry.name for entry in FAMILIES],
+                      help="whose mix: the kinds its family takes, no more options than it does")
     load.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64], help="closed-loop client counts")
     load.add_argument("--seconds", type=float, default=30.0, help="seconds per client count")
     load.add_argument("--model", default=None, help="the model name to send (default: none, the served one)")

@@ -46,6 +46,7 @@ import numpy as np
 from PIL import Image
 
 from .gpu_memory import PeakSampler, held_mib
+from .models.registry import FAMILIES
 
 KINDS = ("text", "json", "choice40", "image", "video")  # the seeds' mix
 # Besides the mix: the video as an MPEG-4 file, and a text state with exactly one question (the issue's text-only
@@ -141,9 +142,10 @@ class RequestMix:
                  video_file: tuple[int, int, int, int] = VIDEO_FILE, clips: int = 4):
         self.family = family
         self.rng = np.random.default_rng(seed)
-        # d1 takes images only and at most 26 options (its letter codes).
-        self.kinds = tuple(k for k in kinds if not (family == "d1" and k in VIDEO_KINDS))
-        self.max_options = 40 if family == "d3" else 26
+        # Only the kinds the family takes, and no more options than every checkpoint of it does (d1: images, 26).
+        contract = FAMILIES.get(family).contract
+        self.kinds = tuple(k for k in kinds if "video" in contract.modalities or k not in VIDEO_KINDS)
+        self.max_options = min(40, contract.most_options or 40)
         self.nonce = nonce or secrets.token_hex(8)
         self.process, self.processes = 0, 1
         # Only the kinds asked for: the bases take seconds to encode.
