@@ -55,12 +55,31 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def padded_groups(lengths: Sequence[int], most_padding: float = 2.0) -> list[list[int]]:
+    """Indices of `lengths` in right-padded batches, shortest first: a row joins the batch before it while the
+    batch's padded tokens stay within `most_padding` times its own. Rows of different lengths still share batches
+    (padding is checked), but a 1,000-token row does not pad eight short ones to its length: in one batch, the
+    portable graph read 9,000 tokens for 1,800 and took 188 of d3-edge's 344 s export on two cores."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group and lengths[i] * (len(group) + 1) <= most_padding * (sum(lengths[j] for j in group) + lengths[i]):
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def check_parity(run_graph: Callable[..., np.ndarray], reference: Callable[..., np.ndarray],
                  prompts: Sequence[tuple[str, list[int]]], temperature: float, atol: float, prob_atol: float,
                  media_samples: Sequence[tuple[str, list[int], Any]] = ()) -> dict[str, Any]:
-    """Graph (all text prompts as one right-padded batch; each media sample alone) vs the torch model (each
-    prompt alone). `run_graph(prompts, media=None)`, `reference(ids, media=None)`."""
-    results = list(zip(prompts, run_graph([ids for _, ids in prompts])))
+    """Graph (the text prompts in right-padded batches, `padded_groups`; each media sample alone) vs the torch
+    model (each prompt alone). `run_graph(prompts, media=None)`, `reference(ids, media=None)`."""
+    got_of: dict[int, np.ndarray] = {}
+    for group in padded_groups([len(ids) for _, ids in prompts]):
+        got_of.update(zip(group, run_graph([prompts[i][1] for i in group]), strict=True))
+    results = [(prompt, got_of[i]) for i, prompt in enumerate(prompts)]
     results += [((label, ids), run_graph([ids], media=media)[0]) for label, ids, media in media_samples]
     media_of = {label: media for label, _, media in media_samples}
     rows = []

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from systemone.export.parity import check_parity
+from systemone.export.parity import check_parity, padded_groups
 from systemone.export.pipeline import ParityError, export_checkpoint, symbolic_axes
 from systemone.export.source import checkpoint_name, resolve_checkpoint
 from systemone.runtime.session import GraphSession
@@ -60,15 +60,18 @@ def test_a_pinned_axis_is_refused(tmp_path):
         symbolic_axes(helper.make_model(graph), {"input_ids": {0: "batch", 1: "sequence"}})
 
 
+def graph_of(logits: dict[tuple[int, ...], list[float]]):
+    """A fake graph run: each prompt's logits by its ids, a batch of prompts at once."""
+    return lambda batch, media=None: np.array([logits[tuple(ids)] for ids in batch], dtype=np.float32)
+
+
 def test_parity_gate_reports_the_worst_sample():
     prompts = [("ok", [1, 2, 3]), ("off", [4, 5])]
-    graph = np.array([[0.0, 1.0], [0.0, 1.0]], dtype=np.float32)
+    graph = graph_of({(1, 2, 3): [0.0, 1.0], (4, 5): [0.0, 1.0]})
     reference = {3: np.array([0.0, 1.0]), 2: np.array([0.0, 1.5])}
     with pytest.raises(ParityError, match="1 of 2 samples .*worst: off, 2 tokens"):
-        check_parity(lambda _, media=None: graph, lambda ids, media=None: reference[len(ids)], prompts, 1.0, 2e-3,
-                     1e-4)
-    report = check_parity(lambda _, media=None: graph[:1], lambda ids, media=None: reference[3], prompts[:1], 1.0,
-                          2e-3, 1e-4)
+        check_parity(graph, lambda ids, media=None: reference[len(ids)], prompts, 1.0, 2e-3, 1e-4)
+    report = check_parity(graph, lambda ids, media=None: reference[3], prompts[:1], 1.0, 2e-3, 1e-4)
     assert report["max_abs_logit_diff"] == 0.0
 
 
@@ -76,10 +79,25 @@ def test_parity_fails_on_a_nan_logit_wherever_it_lies():
     """Seen on a d3-nano export: NaN logits on some padded rows passed, since NaN > atol is false. The message
     names the NaN sample as the worst, even beside a finite sample that also fails."""
     prompts = [("fine", [1, 2, 3]), ("off", [7]), ("nan", [4, 5]), ("fine-too", [6])]
-    graph = np.array([[0.0, 1.0], [0.5, 1.0], [np.nan, 1.0], [0.0, 1.0]], dtype=np.float32)
+    graph = graph_of({(1, 2, 3): [0.0, 1.0], (7,): [0.5, 1.0], (4, 5): [np.nan, 1.0], (6,): [0.0, 1.0]})
     with pytest.raises(ParityError, match="2 of 4 samples .*worst: nan, 2 tokens, logit diff nan"):
-        check_parity(lambda _, media=None: graph, lambda ids, media=None: np.array([0.0, 1.0]), prompts, 1.0, 2e-3,
-                     1e-4)
+        check_parity(graph, lambda ids, media=None: np.array([0.0, 1.0]), prompts, 1.0, 2e-3, 1e-4)
+
+
+def test_the_gate_reads_prompts_in_padded_batches_of_similar_lengths():
+    """Rows of different lengths share a right-padded batch while its padding stays within twice its tokens: the
+    gate's prompts of 1 to 1,000 tokens are read in three batches, not one padded to 1,000 tokens each."""
+    assert padded_groups([1, 7, 77, 200, 1000, 200, 150, 250, 120]) == [[0, 1], [2, 8, 6, 3, 5, 7], [4]]
+    assert padded_groups([5]) == [[0]] and padded_groups([]) == []
+    calls = []
+
+    def graph(batch, media=None):
+        calls.append([len(ids) for ids in batch])
+        return np.zeros((len(batch), 2), np.float32)
+
+    prompts = [(f"random-{n}", [0] * n) for n in (1, 7, 77, 200, 1000)]
+    check_parity(graph, lambda ids, media=None: np.zeros(2), prompts, 1.0, 2e-3, 1e-4)
+    assert calls == [[1, 7], [77, 200], [1000]]
 
 
 def test_export_writes_nothing_when_parity_is_off(d3_checkpoint, tmp_path, monkeypatch):
