@@ -58,8 +58,8 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 def padded_groups(lengths: Sequence[int], most_padding: float = 2.0) -> list[list[int]]:
     """Indices of `lengths` in right-padded batches, shortest first: a row joins the batch before it while the
     batch's padded tokens stay within `most_padding` times its own. Rows of different lengths still share batches
-    (padding is checked), but a 1,000-token row does not pad eight short ones to its length: in one batch, the
-    portable graph read 9,000 tokens for 1,800 and took 188 of d3-edge's 344 s export on two cores."""
+    (padding is checked), but a 1,000-token row does not pad eight short ones to its length
+    (docs/decisions/parity-batches.md)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     for i in order:
