@@ -145,6 +145,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"refusing to serve on {args.host} without an API key: set --api-key (or {API_KEY_ENV}), bind a "
               "loopback address, or pass --allow-unauthenticated", file=sys.stderr)
         return 2
+    if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None:
+        from .ray_serve import serve_on_ray
+
+        return serve_on_ray(args, api_key)
     try:  # before the model loads: a parser or loop asked for by name must be installed
         (parser, protocol), loop = http_protocol(args.http), event_loop(args.loop)
     except ImportError as exc:
@@ -165,31 +169,19 @@ def _serve_on(args: argparse.Namespace, listener: Any, parser: str, protocol: ty
               api_key: str | None) -> int:
     import logging
 
-    from .batch_rows import kept_batch_sizing
     from .server import lifecycle
     from .server.allocator import release_freed_memory
-    from .server.app import ServerOptions, create_app
     from .server.connections import AcceptFailureFilter, guarded_http_settings, raise_descriptor_limit
 
-    options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-                            request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                            log_requests=args.log_requests, max_body_memory=args.max_body_memory,
-                            max_batch_rows=args.max_batch_rows, batch_wait_ms=args.batch_wait_ms)
     # uvicorn's "trace" is below DEBUG and unknown to logging.basicConfig
     level = 5 if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("asyncio").addFilter(AcceptFailureFilter())
     # Connections stay below the descriptor limit (model files, media sockets and logs need some too).
     max_connections = min(args.max_connections, max(16, raise_descriptor_limit() - 256))
-    _served_artifact(args)
     released = release_freed_memory()  # before the service allocates: the settings hold from here on
-    service = _service(args)
+    service, app, kept = served_app(args, api_key)
     try:
-        kept = ""
-        if args.max_batch_rows is None:  # the choice kept for this artifact on this machine, else measured and kept
-            _, path, measured = kept_batch_sizing(service, _cache_dir(args), _gib_bytes(args.gpu_memory))
-            kept = f"; {'measured now, kept in' if measured else 'kept from an earlier start:'} {path}"
-        app = create_app(service, options)
         _print_summary(service, args, port=listener.getsockname()[1])
         print(f"systemone serve: {'batch rows':<13} {app.state.batch_sizing.describe()}{kept}", flush=True)
         print(f"systemone serve: {'http':<13} {parser} parser, {loop} event loop", flush=True)
@@ -211,6 +203,29 @@ def _serve_on(args: argparse.Namespace, listener: Any, parser: str, protocol: ty
     finally:
         service.close()
     return 0
+
+
+def served_app(args: argparse.Namespace, api_key: str | None) -> tuple[Any, Any, str]:
+    """The service and app `serve`'s flags `args` make (the artifact exported first where a checkpoint is given),
+    and where the batch rows came from: one `systemone serve`, or one replica of it (systemone/ray_serve.py)."""
+    from .batch_rows import kept_batch_sizing
+    from .server.app import ServerOptions, create_app
+
+    options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                            request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                            log_requests=args.log_requests, max_body_memory=args.max_body_memory,
+                            max_batch_rows=args.max_batch_rows, batch_wait_ms=args.batch_wait_ms)
+    _served_artifact(args)
+    service = _service(args)
+    try:
+        kept = ""
+        if args.max_batch_rows is None:  # the choice kept for this artifact on this machine, else measured and kept
+            _, path, measured = kept_batch_sizing(service, _cache_dir(args), _gib_bytes(args.gpu_memory))
+            kept = f"; {'measured now, kept in' if measured else 'kept from an earlier start:'} {path}"
+        return service, create_app(service, options), kept
+    except BaseException:
+        service.close()
+        raise
 
 
 def _print_summary(service: Any, args: argparse.Namespace, port: int) -> None:
@@ -556,6 +571,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="uvicorn's line for every HTTP request too (decision requests are logged once anyway)")
     serve.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug", "trace"), help="server log level")
+    ray = serve.add_argument_group("replicas on Ray Serve (the [ray] extra; docs/operations.md)")
+    ray.add_argument("--replicas", type=_positive_int, default=None,
+                     help="serve N replicas of this server on Ray Serve behind one address, each a whole engine "
+                          "(with --device cuda, one GPU each); a replica lost with requests in flight has them "
+                          "answered by another, or 503 + Retry-After")
+    ray.add_argument("--min-replicas", type=_positive_int, default=None,
+                     help="with --max-replicas: autoscale between the two on the requests in flight")
+    ray.add_argument("--max-replicas", type=_positive_int, default=None, help="see --min-replicas")
+    ray.add_argument("--replica-ongoing", type=_positive_int, default=64,
+                     help="requests a replica holds at once; more wait at the front (its own --max-concurrency and "
+                          "--max-queue still apply within)")
+    ray.add_argument("--ray-address", default=None,
+                     help="the Ray cluster to join (default: RAY_ADDRESS, else a local one started here)")
     serve.set_defaults(func=cmd_serve)
 
     doctor = sub.add_parser("doctor", help="check what this machine can run (onnxruntime, providers, GPUs, CUDA "
