@@ -1,0 +1,160 @@
+"""`systemone serve --replicas N` (systemone/ray_serve.py): replicas of the server on a local Ray instance, two of
+the tiny d3 artifact on CPUs. Through the front the HTTP contract is the server's own (answers, errors, limits), and
+a replica killed under load loses nothing: every request is answered 200 or 503 with Retry-After, none hangs, and
+Ray starts a replica in its place."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import ray
+from ray import serve
+
+from systemone.cli import build_parser
+from systemone.ray_serve import REPLICA_HEADER, Scaling, build_application
+
+BODY = {"state": "The parcel arrived crushed.",
+        "questions": {"refund": {"type": "noul", "instructions": "Should we refund?"},
+                      "how": {"type": "choice", "criteria": {"refund": None, "replace": None, "reject": None}}}}
+MAX_BODY = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, body, {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def replicas() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::systemone#Replica")]
+
+
+@pytest.fixture(scope="module")
+def ray_app(d3_artifact):
+    port = free_port()
+    args = build_parser().parse_args(["serve", str(d3_artifact), "--device", "cpu", "--max-batch-rows", "8",
+                                      "--max-body-bytes", str(MAX_BODY), "--media-processes", "0"])
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_application(args, None, Scaling(replicas=2, tries=3)), name="systemone", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_the_api_through_the_replicas_is_the_servers(ray_app, d3_service):
+    """Each request answered through the front as one server answers it: the answers (to 1e-6), and for bad
+    requests the same status and body; the replica that answered is named."""
+    from fastapi.testclient import TestClient
+
+    from systemone.server.app import ServerOptions, create_app
+
+    status, headers, payload = post(ray_app + "/v1/systemone", json.dumps(BODY).encode())
+    assert status == 200, payload
+    want = d3_service.answer(d3_service.prepare(BODY))["answers"]
+    got = json.loads(payload)["answers"]
+    for qid, answer in want.items():
+        assert max(abs(got[qid]["probabilities"][k] - p) for k, p in answer["probabilities"].items()) <= 1e-6
+    assert REPLICA_HEADER.decode() in {k.lower() for k in headers}
+
+    with TestClient(create_app(d3_service, ServerOptions(max_body_bytes=MAX_BODY, max_batch_rows=8))) as server:
+        for body in (b"{not json", json.dumps({"state": "x", "questions": {}}).encode(),
+                     json.dumps({"state": "x", "questions": {"q": {"type": "rank"}}}).encode(),
+                     b"{" + b" " * MAX_BODY + b"}"):
+            status, _, payload = post(ray_app + "/v1/systemone", body)
+            direct = server.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
+            assert (status, json.loads(payload)) == (direct.status_code, direct.json()), body[:40]
+            assert 400 <= status < 500
+    for path in ("/health", "/v1/models", "/ready", "/metrics"):
+        with urllib.request.urlopen(ray_app + path, timeout=30) as response:
+            assert response.status == 200
+
+
+def test_a_replica_killed_under_load_loses_no_request(ray_app):
+    """Four clients in a closed loop for 8 s; one replica killed 2 s in. Every response is 200, or 503 with
+    Retry-After (a request whose tries all met lost replicas); none is another status, none times out; requests
+    are answered after the kill; and Ray brings the replicas back to two."""
+    assert len(replicas()) == 2
+    body = json.dumps(BODY).encode()
+    deadline = time.monotonic() + 8
+
+    def client(_: int) -> list[tuple[int, float, dict[str, str]]]:
+        out = []
+        while time.monotonic() < deadline:
+            status, headers, _ = post(ray_app + "/v1/systemone", body, timeout=30)
+            out.append((status, time.monotonic(), headers))
+        return out
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client, i) for i in range(4)]
+        time.sleep(2)
+        killed_at = time.monotonic()
+        ray.kill(ray.get_actor(replicas()[0], namespace="serve"), no_restart=True)
+        results: list[Any] = [r for f in futures for r in f.result()]
+    statuses = {status for status, _, _ in results}
+    assert statuses <= {200, 503}, statuses
+    assert all("retry-after" in {k.lower() for k in headers} for status, _, headers in results if status == 503)
+    assert any(status == 200 and at > killed_at + 1 for status, at, _ in results)
+    for _ in range(120):
+        if len(replicas()) == 2 and serve.status().applications["systemone"].status == "RUNNING":
+            break
+        time.sleep(0.5)
+    assert len(replicas()) == 2
+    status, _, _ = post(ray_app + "/v1/systemone", body)
+    assert status == 200
+
+
+def test_serve_with_replicas_answers_and_stops_on_ctrl_c(d3_artifact):
+    """`systemone serve ARTIFACT --replicas 2`: its own local Ray, the address line once the replicas are up, a
+    request answered 200 through the front, and Ctrl-C stopping Ray and the command (exit 0)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    port = free_port()
+    address = f"http://127.0.0.1:{port}/v1/systemone"
+    command = [sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu", "--replicas",
+               "2", "--port", str(port), "--max-batch-rows", "8", "--media-processes", "0"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "RAY_ADDRESS": ""})
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        for line in server.stdout:
+            lines.append(line)
+            if address in line:
+                up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert up.wait(240), "".join(lines)[-2000:]
+        status, headers, _ = post(address, json.dumps(BODY).encode())
+        assert status == 200 and REPLICA_HEADER.decode() in {k.lower() for k in headers}
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=120)
+        reader.join(timeout=10)
+    assert server.returncode == 0, "".join(lines)[-2000:]
