@@ -130,21 +130,12 @@ class ReplicaServer:
         self.service.close()
 
 
-def unavailable(message: str) -> Answer:
-    import json
-
-    from .server.errors import error_body
-
-    body = json.dumps(error_body(503, message, "ServiceUnavailableError")).encode()
-    return 503, [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode())], body
-
-
-def too_large(limit: int) -> Answer:
-    """The server's own 413 for a body over --max-body-bytes, answered at the front without reading the rest."""
-    from .server.body import BodyTooLarge
+def refusal(exc: Any) -> Answer:
+    """The server's own response to a domain error (server/errors.py), answered at the front: a body over
+    --max-body-bytes (413, without reading the rest), or no replica left to answer (503 + Retry-After)."""
     from .server.errors import decision_error_response
 
-    response = decision_error_response(BodyTooLarge(limit))
+    response = decision_error_response(exc)
     return response.status_code, list(response.raw_headers), bytes(response.body)
 
 
@@ -161,6 +152,9 @@ def build_application(args: argparse.Namespace, api_key: str | None, scaling: Sc
     from ray import serve
     from starlette.requests import Request
     from starlette.responses import Response
+
+    from .models.errors import Unavailable
+    from .server.body import BodyTooLarge
 
     @serve.deployment(**scaling.deployment_options())
     class Replica:
@@ -191,12 +185,12 @@ def build_application(args: argparse.Namespace, api_key: str | None, scaling: Sc
         async def answer(self, request: Request) -> Answer:
             declared = request.headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > args.max_body_bytes:
-                return too_large(args.max_body_bytes)
+                return refusal(BodyTooLarge(args.max_body_bytes))
             body = bytearray()
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > args.max_body_bytes:
-                    return too_large(args.max_body_bytes)
+                    return refusal(BodyTooLarge(args.max_body_bytes))
             client = (request.client.host, request.client.port) if request.client else None
             call = (request.method, request.url.path, request.url.query.encode(), list(request.headers.raw),
                     bytes(body), client)
@@ -206,8 +200,8 @@ def build_application(args: argparse.Namespace, api_key: str | None, scaling: Sc
                 except Exception as exc:  # noqa: BLE001 - only a lost replica is tried again; the rest is ours
                     if not replica_lost(exc):
                         raise
-            return unavailable(f"no replica could answer: the {scaling.tries} tried were lost with the request "
-                               "in flight; try again")
+            return refusal(Unavailable(f"no replica could answer: the {scaling.tries} tried were lost with the "
+                                       "request in flight; try again", RETRY_AFTER_S))
 
     return Front.bind(Replica.bind())
 
