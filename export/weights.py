@@ -5,7 +5,8 @@ model is ever held in memory. Each initializer of such a graph is *virtual*: an 
 is `VIRTUAL` and whose `recipe` key names how to make its values — a checkpoint tensor (`Stored`), a small constant
 (`Constant`), or one ONNX node applied to other recipes (`Derived`: the transposes, slices and `1 + w` that the
 optimizer would have folded into new weights). Passes over the graph (the optimizer, the half-precision rewrite)
-see its shape and dtype only; `write_graph` makes each tensor's values when it writes them, one at a time.
+see its shape and dtype only; `write_graph` makes each tensor's values just before it writes them, a few at once
+in threads, within a bound on the memory they hold.
 
 A checkpoint's safetensors files are read with plain reads at each tensor's offset, not mapped: a mapped file's
 pages count in the process's resident memory until it is closed.
@@ -16,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -217,20 +220,38 @@ def graph_tensors(model) -> Iterator:
 # into (0, inf and NaN kept), so that a weight is never rounded to zero or to infinity.
 FP16_MIN_POSITIVE, FP16_MAX = 5.96e-08, 65504.0
 _CHUNK = 1 << 26  # values converted at a time: a weight's temporaries stay a few hundred MB whatever its size
+# Weights made at once by `write_graph`'s threads, and the host memory they may hold together (each costs about
+# eight bytes a value while made: its fp32 values and their conversion); one is always made, whatever its size.
+WRITE_THREADS = min(4, os.cpu_count() or 1)
+IN_FLIGHT_BYTES = 2 << 30
+
+
+def _float32_view(values: np.ndarray):
+    """`values` as a float32 torch tensor, sharing memory where it can: a transposed recipe's view keeps its
+    strides, so the reordering happens in torch's (threaded) copy of the fp16 result, at half the bytes."""
+    import torch
+
+    values = np.asarray(values, dtype=np.float32)
+    if values.ndim and min(values.strides) < 0:
+        values = np.ascontiguousarray(values)
+    return torch.from_numpy(values)
 
 
 def _to_float16(values: np.ndarray) -> np.ndarray:
     """`values` in fp16 as onnxruntime's converter writes a weight (`convert_np_to_float16`): magnitudes strictly
     between 0 and fp16's smallest positive value raised to it, finite magnitudes above its largest lowered to it,
-    signs kept, then rounded to nearest. With torch's kernels, a chunk at a time, and the raise done after the
-    cast where it matters (a nonzero value the cast made zero): a few passes where the converter makes a dozen."""
+    signs kept, then rounded to nearest. With torch's kernels, a block of rows at a time, and the raise done after
+    the cast where it matters (a nonzero value the cast made zero): a few passes where the converter makes a
+    dozen."""
     import torch
 
-    flat = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
-    out = torch.empty(flat.shape, dtype=torch.float16)
+    source = _float32_view(values)
+    rows = source.reshape(1, -1) if source.dim() < 2 else source
+    out = torch.empty(rows.shape, dtype=torch.float16)
     smallest = torch.tensor(FP16_MIN_POSITIVE, dtype=torch.float16)
-    for start in range(0, flat.numel(), _CHUNK):
-        part = flat[start:start + _CHUNK]
+    step = max(1, _CHUNK // max(1, rows[0].numel()))
+    for start in range(0, rows.shape[0], step):
+        part = rows[start:start + step]
         if bool(torch.isfinite(part).all()):
             part = part.clamp(-FP16_MAX, FP16_MAX)
         else:  # infinities and NaN kept as they are
@@ -241,11 +262,12 @@ def _to_float16(values: np.ndarray) -> np.ndarray:
         lost = (half == 0) & (part != 0)  # below half fp16's smallest subnormal: the converter keeps it off zero
         if bool(lost.any()):
             half = torch.where(lost, torch.copysign(smallest, part).to(torch.float16), half)
-        out[start:start + _CHUNK] = half
+        out[start:start + step] = half
     return out.numpy().reshape(values.shape)
 
 
 def _as_dtype(values: np.ndarray, data_type: int, name: str) -> np.ndarray:
+    """`values` in the graph's dtype, C-contiguous."""
     import onnx
     from onnx.helper import tensor_dtype_to_np_dtype
 
@@ -260,49 +282,78 @@ def _as_dtype(values: np.ndarray, data_type: int, name: str) -> np.ndarray:
         if np.issubdtype(values.dtype, np.floating) != np.issubdtype(target, np.floating):
             raise WeightError(f"weight {name!r}: its recipe makes {values.dtype}, the graph reads {target}")
         values = values.astype(target)
+    return np.ascontiguousarray(values)
+
+
+def _made(tensor, recipe: str, book: WeightBook, tensors: CheckpointTensors) -> np.ndarray:
+    values = _as_dtype(book.values(recipe, tensors), tensor.data_type, tensor.name)
+    if values.shape != tuple(tensor.dims):
+        raise WeightError(f"weight {tensor.name!r}: its recipe makes {values.shape}, the graph reads "
+                          f"{tuple(tensor.dims)}")
     return values
 
 
 def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
-                written: Callable[[int], None] | None = None) -> Path:
+                written: Callable[[int], None] | None = None, threads: int = WRITE_THREADS,
+                in_flight_bytes: int = IN_FLIGHT_BYTES) -> Path:
     """Save `model` at `path`, every tensor over `INLINE_BYTES` in `path.name + '.data'`: virtual ones made from
-    `book` and `tensors` in the dtype the graph declares for them, one at a time. `written(bytes)` after each."""
+    `book` and `tensors` in the dtype the graph declares for them, by `threads` threads while no more than
+    `in_flight_bytes` are being made (at least one weight), and written in the graph's order. `written(bytes)`
+    after each."""
     import onnx
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     data_name = f"{path.name}.data"
-    with open(path.with_name(data_name), "wb") as data:
-        for tensor in graph_tensors(model):
-            recipe = recipe_of(tensor)
-            if recipe is not None:
-                values = _as_dtype(book.values(recipe, tensors), tensor.data_type, tensor.name)
-                expected = tuple(tensor.dims)
-                if values.shape != expected:
-                    raise WeightError(f"weight {tensor.name!r}: its recipe makes {values.shape}, the graph reads "
-                                      f"{expected}")
-                raw = np.ascontiguousarray(values).tobytes()
-                del tensor.external_data[:]
-            elif tensor.data_location == onnx.TensorProto.EXTERNAL:
-                raise WeightError(f"tensor {tensor.name!r} points at data that is not this graph's")
-            elif len(tensor.raw_data) > INLINE_BYTES:
-                raw = tensor.raw_data
-            else:
-                continue
-            if len(raw) <= INLINE_BYTES:  # a small virtual tensor: kept in the graph file
-                tensor.raw_data = raw
+    pending: deque[tuple[Any, Future | bytes, int]] = deque()  # (tensor, its values to come or its bytes, cost)
+    in_flight = 0
+
+    def store(tensor, values: np.ndarray | bytes, data) -> None:
+        if isinstance(values, np.ndarray):
+            if values.nbytes <= INLINE_BYTES:  # a small virtual tensor: kept in the graph file
+                tensor.raw_data = values.tobytes()
                 tensor.data_location = onnx.TensorProto.DEFAULT
-                continue
-            offset = data.seek(0, os.SEEK_END)
-            padding = -offset % ALIGNMENT
-            data.write(b"\0" * padding)
-            data.write(raw)
-            tensor.ClearField("raw_data")
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            for key, value in (("location", data_name), ("offset", str(offset + padding)), ("length", str(len(raw)))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
-            if written is not None:
-                written(len(raw))
-            del raw
+                del tensor.external_data[:]
+                return
+            del tensor.external_data[:]
+        size = values.nbytes if isinstance(values, np.ndarray) else len(values)
+        offset = data.seek(0, os.SEEK_END)
+        padding = -offset % ALIGNMENT
+        data.write(b"\0" * padding)
+        data.write(values.data if isinstance(values, np.ndarray) else values)
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", data_name), ("offset", str(offset + padding)), ("length", str(size))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        if written is not None:
+            written(size)
+
+    def write_oldest(data) -> None:
+        nonlocal in_flight
+        tensor, values, cost = pending.popleft()
+        in_flight -= cost
+        store(tensor, values.result() if isinstance(values, Future) else values, data)
+
+    with open(path.with_name(data_name), "wb") as data, ThreadPoolExecutor(max(1, threads)) as pool:
+        try:
+            for tensor in graph_tensors(model):
+                recipe = recipe_of(tensor)
+                if recipe is not None:
+                    cost = 8 * int(np.prod(tensor.dims, dtype=np.int64))
+                    while pending and in_flight + cost > in_flight_bytes:
+                        write_oldest(data)
+                    pending.append((tensor, pool.submit(_made, tensor, recipe, book, tensors), cost))
+                    in_flight += cost
+                elif tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    raise WeightError(f"tensor {tensor.name!r} points at data that is not this graph's")
+                elif len(tensor.raw_data) > INLINE_BYTES:
+                    pending.append((tensor, tensor.raw_data, 0))
+            while pending:
+                write_oldest(data)
+        finally:
+            for _, values, _ in pending:
+                if isinstance(values, Future):
+                    values.cancel()
     onnx.save(model, str(path))
     return path
 

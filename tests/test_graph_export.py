@@ -80,12 +80,21 @@ def test_a_graph_is_traced_without_reading_its_weights(d3_causal_checkpoint, mon
     assert sum(int(np.prod(t.dims)) for t in virtual) > 16_000_000  # the embedding table among them, unread
 
 
-def test_the_weights_are_written_one_at_a_time_as_the_checkpoint_stores_them(d3_checkpoint, monkeypatch, tmp_path):
+def test_the_weights_are_made_within_the_memory_bound_and_written_as_the_checkpoint_stores_them(
+        d3_checkpoint, monkeypatch, tmp_path):
     config = _config(d3_checkpoint)
     traced = trace_graph(config.graphs()[0], config.skeleton.tensors)
     log = ReadLog(monkeypatch)
-    path = write_graph(traced.proto(), tmp_path / "text.onnx", traced.book, config.skeleton.tensors)
+    # A bound smaller than any weight: one made at a time, however many threads.
+    path = write_graph(traced.proto(), tmp_path / "text.onnx", traced.book, config.skeleton.tensors, threads=4,
+                       in_flight_bytes=1)
     assert log.most_live <= 2  # one weight, or the two a folded node reads
+    (tmp_path / "threaded").mkdir()
+    threaded = write_graph(traced.proto(), tmp_path / "threaded" / "text.onnx", traced.book,
+                           config.skeleton.tensors, threads=4)
+    assert log.most_live > 2  # several made at once
+    for suffix in ("", ".data"):  # in the same order, byte for byte
+        assert filecmp.cmp(f"{path}{suffix}", f"{threaded}{suffix}", shallow=False)
     written = {t.name: t for t in onnx.load(str(path)).graph.initializer}
     table = onnx.numpy_helper.to_array(written["front/embed_tokens.weight"])
     from safetensors.torch import load_file
@@ -233,3 +242,5 @@ def test_weights_are_rounded_to_fp16_bit_for_bit_as_onnxruntimes_converter_round
         np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65505, 70000, -70000, 5.96e-8, 5e-8, -5e-8, 1e-30],
                  np.float32)]).reshape(-1, 3)
     assert np.array_equal(_to_float16(values).view(np.uint16), convert_np_to_float16(values).view(np.uint16))
+    # A transposed recipe's view: written in its own order.
+    assert np.array_equal(_to_float16(values.T).view(np.uint16), convert_np_to_float16(values.T).view(np.uint16))
