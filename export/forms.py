@@ -8,6 +8,7 @@ per provider set."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from ..runtime.artifact import FormEntry, Manifest
 from .answer_gate import gate_answers
 from .config import ExportConfig, HalfForm, ParityError
 from .graph_export import GraphExports
+from .progress import Progress
 from .weights import TracedGraph
 from .half_precision import convert_to_half
 
@@ -58,23 +60,31 @@ def traced_source(config: ExportConfig, exports: GraphExports, form: HalfForm, g
     return exports.wait(key, spec)
 
 
-def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str) -> dict[str, Any]:
-    """The runtime on `form` (staged artifact, `device`) against the torch fp32 model on the form's questions."""
+def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str,
+              detail: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """The runtime on `form` (staged artifact, `device`) against the torch fp32 model on the form's questions;
+    `detail(line)` says how long each part took."""
     from ..runtime.artifact import Artifact
     from ..runtime.engine import EngineOptions
     from ..runtime.service import DecisionService
 
+    began = time.monotonic()
     service = DecisionService(Artifact.load(staging), EngineOptions(device=device, form=form.name))
     # Measured as serve measures at start-up, so a request's questions are grouped into calls as serve groups them:
     # in half precision the grouping moves answers (docs/decisions/form-gate-batching.md).
     sizing = service.batch_sizing()
+    detail(f"the runtime on {service.provider}: loaded, its rows a call measured, in {time.monotonic() - began:.1f} s")
+    began = time.monotonic()
     with config.reference_on(device):
+        detail(f"the torch reference on {device} in {time.monotonic() - began:.1f} s")
+        began = time.monotonic()
         report = gate_answers(form.answer_pairs(service), form.tolerance)
+    detail(f"{report['questions']} questions through both in {time.monotonic() - began:.1f} s")
     return {**report, "device": device, "provider": service.provider, "batch_rows": sizing.describe()}
 
 
 def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, manifest: Manifest, device: str,
-                progress: Callable[[str], None], exports: GraphExports,
+                progress: Progress, exports: GraphExports,
                 write: Callable[[Any, Path, TracedGraph], None]) -> Manifest:
     """Each of `forms` (the config's) written and gated in `staging`, but none after a written one for the same
     providers; the manifest that records them (written). `write(model, path, traced)` writes a converted graph
@@ -97,7 +107,7 @@ def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, mani
         replace(manifest, forms={**manifest.forms, form.name: entry}).write(staging)
         progress(f"checking the {form.name} form's answers against the torch fp32 model on {device}")
         try:
-            entry = replace(entry, gate=gate_form(config, staging, form, device))
+            entry = replace(entry, gate=gate_form(config, staging, form, device, progress.detail))
             written.add(form.providers)
         except Exception as exc:  # noqa: BLE001 - a form this onnxruntime cannot run is refused like one that fails
             reason = str(exc) if isinstance(exc, ParityError) else \

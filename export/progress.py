@@ -29,6 +29,10 @@ class Progress:
         self.total = max(self.total, self.step)
         self._line(f"[{self.step}/{self.total} {time.monotonic() - self.start:6.1f}s] {message}")
 
+    def detail(self, message: str) -> None:
+        """A line under the current step (how long a part of it took)."""
+        self._line(f"    {message}")
+
     def writing(self, file: str, expected: int) -> None:
         """A graph's weights begin: `expected` bytes into `file`."""
         self._writing, self._done, self._shown = (file, expected, time.monotonic()), 0, time.monotonic()

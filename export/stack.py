@@ -9,10 +9,10 @@ outputs are the graph's own."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from .config import GraphSpec, Layer, Stack
+from .config import GraphSpec
 from .weights import Derived, Recipe, Stored, TracedGraph, WeightBook, WeightError, recipe_of
 
 

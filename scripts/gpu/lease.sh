@@ -10,9 +10,10 @@
 #   and         bash scripts/gpu/lease.sh drop SIZE...   frees the disk of sizes already measured
 #               bash scripts/gpu/lease.sh more SIZE...   builds and exports more sizes (those too large to sit on the
 #                                                      64 GB disk beside the first), then `wait` with SIZES set
-# `start` copies the tree to ~/repo and starts one chain in the background: each size's random-init checkpoint is
-# built (all at once, while the parts are gathered), then exported one after another as soon as onnxruntime-gpu is
-# in, each timed alone: wall time, peak host memory (GNU time), peak GPU memory and disk written (sampled every
+# `start` copies the tree to ~/repo and starts one chain in the background: the first size's random-init checkpoint
+# is built and the torch reference's kernels compiled on it while the parts are gathered (the others' checkpoints
+# built beside, niced), then each size exported as soon as onnxruntime-gpu is in and its checkpoint built, one
+# after another, each timed apart from the others' exports: wall time, peak host memory (GNU time), peak GPU memory and disk written (sampled every
 # half second), gate figures. SIZES (default "d3-nano d3-mini d1-3B d3-edge") and D3_MODE
 # (noncausal_full_attention) choose; `tiny` runs the steps on a CPU machine up to the CUDA gates.
 # Between calls the machine stays warm for 30 s: make them back to back. Results go to ~/res and come back as
@@ -82,33 +83,48 @@ PY
   [ $rc = 0 ] && touch "$work.done" || touch "$work.failed"
 }
 
-chain() {  # every size's checkpoint at once, then each export alone, once onnxruntime-gpu is in
-  cd ~ || return
+warm() {  # SIZE: the torch reference's Triton kernels compiled (scripts/gpu/warm_kernels.py), before its export
+  [[ $1 == d1* ]] || [ "${WARM:-1}" = 0 ] || python3 ~/repo/scripts/gpu/warm_kernels.py "$(work_of "$1")/checkpoint" > ~/logs/warm.log 2>&1
+}
+
+chain() {  # the first size's checkpoint, then the others' in the background; each export alone once onnxruntime-gpu
+  cd ~ || return  # is in and its checkpoint built
   export PYTHONPATH=~/site0:~/repo
-  local size t0
+  local size t0 first=${sizes%% *}
   t0=$(date +%s)
-  for size in $sizes; do [ -f "$(work_of "$size")/checkpoint/config.json" ] || build "$size" & done
-  wait
-  echo "[$(( $(date +%s) - t0 )) s] checkpoints built: $(du -sh ~/work/*/checkpoint | tr '\n' ' ')"
+  [ -f "$(work_of "$first")/checkpoint/config.json" ] || build "$first"
+  echo "[$(( $(date +%s) - t0 )) s] $first's checkpoint built"
+  for size in $sizes; do
+    w=$(work_of "$size")
+    if [ "$size" = "$first" ] || [ -f "$w/checkpoint/config.json" ]; then touch "$w.built"
+    else nice -n 10 bash -c "build $size" && touch "$w.built" || touch "$w.failed" &
+    fi
+  done
+  warm "$first"
+  echo "[$(( $(date +%s) - t0 )) s] the reference's kernels compiled: $(tail -n 1 ~/logs/warm.log 2>/dev/null)"
   until [ -f ~/site/.ready ]; do sleep 1; done
   export PYTHONPATH=~/site:~/repo
   for size in $sizes; do
-    echo "[$(( $(date +%s) - t0 )) s] exporting $size"
+    w=$(work_of "$size")
+    until [ -f "$w.built" ] || [ -f "$w.failed" ]; do sleep 1; done
+    [ -f "$w.built" ] || { echo "$size's checkpoint was not built"; continue; }
+    echo "[$(( $(date +%s) - t0 )) s] exporting $size (checkpoints building beside it: $(pgrep -fc 'build_d._checkpoint'))"
     export_one "$size"
   done
+  wait
   echo "[$(( $(date +%s) - t0 )) s] exports done"
 }
 
 case $step in
 start)
   mkdir -p ~/p ~/wheels ~/logs ~/work ~/res && cp .device/ort/part00 ~/p/ && cp .device/w0/*.whl ~/wheels/
-  rm -f ~/work/*.done ~/work/*.failed
+  rm -f ~/work/*.done ~/work/*.failed ~/work/*.built
   python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site0 ~/wheels/*.whl
   # The chain outlives this call and runs through the next ones, whose checkouts replace this one: it reads a copy.
   rm -rf ~/repo && mkdir ~/repo && cp -a export runtime models server systemone scripts tests pyproject.toml ~/repo/
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; free -g | head -2; df -h ~ | tail -1
-  export -f chain build export_one sample work_of form_of && export sizes mode
+  export -f chain build warm export_one sample work_of form_of && export sizes mode
   setsid nohup bash -c chain > ~/logs/chain.log 2>&1 < /dev/null &
   ;;
 gather)
@@ -156,8 +172,8 @@ drop)
   df -h ~ | tail -1
   ;;
 more)
-  sizes="$*"
-  export -f chain build export_one sample work_of form_of && export sizes mode
+  sizes="$*" WARM=0  # the kernels are compiled by now
+  export -f chain build warm export_one sample work_of form_of && export sizes mode WARM
   setsid nohup bash -c chain >> ~/logs/chain.log 2>&1 < /dev/null &
   sleep 1; tail -n 2 ~/logs/chain.log
   ;;
