@@ -52,7 +52,8 @@ for port in "${ports[@]}"; do
   if [ "$port" = 8000 ]; then  # the time a user waits from `systemone serve` to the first answer
     curl -sf -o /dev/null http://127.0.0.1:8000/v1/systemone -H 'content-type: application/json' \
       -d '{"state": "The parcel arrived crushed.", "questions": {"q": {"type": "noul", "instructions": "Refund?"}}}'
-    python3 -c "import time; print(f\"systemone serve -> first answer after {time.time() - $start:.1f} s\")"
+    python3 -c "import time; print(f\"systemone serve -> first answer after {time.time() - $start:.1f} s\")" \
+      | tee "$out/first_answer_$tag.txt"
   fi
 done
 grep "reference server:" "$out/reference_$tag.log" 2>/dev/null || true  # what the reference runs: dtype, kernels
