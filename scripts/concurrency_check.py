@@ -81,9 +81,15 @@ def main() -> None:
                 runs.append({"round": round_, "clients": clients, **result.summary()})
                 print(json.dumps(runs[-1]), flush=True)
         worst = asyncio.run(one_at_a_time(url, kept))
+        print(json.dumps({"answers_checked": len(kept), "max_abs_prob_diff": worst}), flush=True)
     finally:
         server.terminate()
-        startup, _ = server.communicate(timeout=120)
+        try:
+            startup, _ = server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            print("the server did not stop within 30 s of SIGTERM: killed", file=sys.stderr, flush=True)
+            server.kill()
+            startup, _ = server.communicate()
     rps = {n: median(r["requests_per_s"] for r in runs if r["clients"] == n) for n in (1, args.clients)}
     report = {
         "command": " ".join(["python", *sys.argv]),
