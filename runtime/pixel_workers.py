@@ -45,6 +45,7 @@ Fill = Callable[[Sequence[np.ndarray], np.ndarray, Any, Callable[[], bool]], Non
 # Threads for parts run here, and for other per-frame work (JPEG frames decoded): a bound on this process's
 # threads whatever the number of media jobs.
 THREADS = min(8, os.cpu_count() or 1)
+PARENT_CHECK_S = 0.5  # how often a worker process looks whether its server is still there
 
 
 def default_processes() -> int:
@@ -55,10 +56,19 @@ def default_processes() -> int:
     return min(16, cores - 2) if cores >= 6 else 0
 
 
-def _start_process() -> None:
+def _start_process(parent: int) -> None:
     # Ctrl-C reaches the whole process group: the server shuts its workers down, they need not see it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     one_blas_thread()
+    # A server killed outright (SIGKILL, the OOM killer) cannot shut its workers down, and a worker never sees its
+    # task queue close (it holds the queue's writing end too): each leaves on its own once its parent is gone.
+    threading.Thread(target=_leave_with, args=(parent,), name="systemone-parent-watch", daemon=True).start()
+
+
+def _leave_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
 
 
 def _run_part(fill: Fill, inputs: SharedHandle, output: SharedHandle, part: Any, end: float) -> None:
@@ -93,7 +103,7 @@ class PixelWorkers:
             if self._pool is None:
                 # spawn: a fork would copy this process's threads' locks (and a CUDA context) mid-use.
                 self._pool = ProcessPoolExecutor(self.processes, multiprocessing.get_context("spawn"),
-                                                 initializer=_start_process)
+                                                 initializer=_start_process, initargs=(os.getpid(),))
             return self._pool
 
     def start(self) -> None:

@@ -179,3 +179,38 @@ def test_blocks_left_by_a_killed_server_are_removed_at_start(tmp_path):
         assert sorted(os.listdir(tmp_path)) == sorted([f"systemone-{os.getpid()}-7", "other-file"])
     finally:
         workers.close()
+
+
+def test_worker_processes_leave_when_their_server_is_killed_outright(tmp_path):
+    """A server killed with SIGKILL (or by the OOM killer) shuts nothing down: its worker processes go by themselves."""
+    import signal
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", f"""
+import os, time
+from systemone.runtime.pixel_workers import PixelWorkers
+workers = PixelWorkers(processes=2, directory={str(tmp_path)!r})
+workers.start()
+print(" ".join(str(p) for p in workers._executor()._processes), flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        children = [int(pid) for pid in server.stdout.readline().split()]
+        assert len(children) == 2 and all(_alive(pid) for pid in children)
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+    end = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in children)
+
+
+def _alive(pid: int) -> bool:
+    """`pid` runs (a zombie counts as gone: only its parent, gone too, could reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
