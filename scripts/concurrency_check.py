@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -62,8 +63,11 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     command = serve_command(args.artifact, port, "--log-level", "warning", *[f for f in serve_flags if f != "--"])
-    server = start_server(command, base, 300, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                          text=True)
+    # The server's output to a file, not a pipe: a pipe nobody reads while the load runs fills, and the server (or
+    # its worker processes) then blocks writing to it.
+    output = tempfile.TemporaryFile("w+")
+    server = start_server(command, base, 300, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=output,
+                          stderr=subprocess.STDOUT)
     url = base + "/v1/systemone"
     runs: list[dict[str, Any]] = []
     kept: list[tuple[dict[str, Any], bytes]] = []
@@ -85,11 +89,13 @@ def main() -> None:
     finally:
         server.terminate()
         try:
-            startup, _ = server.communicate(timeout=30)
+            server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             print("the server did not stop within 30 s of SIGTERM: killed", file=sys.stderr, flush=True)
             server.kill()
-            startup, _ = server.communicate()
+            server.wait()
+    output.seek(0)
+    startup = output.read()
     rps = {n: median(r["requests_per_s"] for r in runs if r["clients"] == n) for n in (1, args.clients)}
     report = {
         "command": " ".join(["python", *sys.argv]),

@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def main() -> None:
     command = serve_command(args.artifact, port,
                             *(["--max-connections-per-client", str(args.per_client)] if args.per_client else []))
     source = ("127.0.0.2", 0) if args.per_client else None  # Linux routes all of 127/8 to the loopback device
-    server = start_server(command, base, 300, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = tempfile.TemporaryFile()  # not a pipe: one nobody reads during the flood fills and blocks the server
+    server = start_server(command, base, 300, stdout=output, stderr=subprocess.STDOUT)
     flags = f" --per-client {args.per_client}" if args.per_client else ""
     report: dict = {"command": f"python scripts/connection_flood.py ARTIFACT --connections {args.connections}{flags}",
                     "serve": " ".join(command[1:]), "descriptors_before": descriptors(server.pid)}
@@ -94,7 +96,9 @@ def main() -> None:
         for sock in sockets:
             sock.close()
         server.terminate()
-        log = server.communicate(timeout=60)[0].decode(errors="replace").splitlines()
+        server.wait(timeout=60)
+    output.seek(0)
+    log = output.read().decode(errors="replace").splitlines()
     report["server_log"] = {"lines": len(log), "tracebacks": sum("Traceback" in line for line in log),
                             "last": log[-5:]}
     text = json.dumps(report, indent=2)
