@@ -22,10 +22,10 @@ from ...runtime.d1.image_processor import Lfm2ImageConfig
 from ...runtime.d1.state import D1TextRunner, StateLayout
 from ...runtime.session import GraphSession
 from ...runtime.tokenizer import PromptTokenizer
-from ..config import ExportConfig, Gate, GraphSpec, HalfForm, RuntimeFiles, cuda_forms
+from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms
 from ..half_precision import FLOAT16_MATMULS
 from ..skeleton import Skeleton
-from ..stack import Layer, Stack, meta_outputs
+from ..stack import meta_outputs
 from ..parity import sample_prompts
 from ..fused_ops import TRANSLATIONS
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
