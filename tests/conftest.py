@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
-from collections.abc import Iterator
+import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,24 +61,50 @@ def traces_made_once_per_checkpoint() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def d3_checkpoint(tmp_path_factory) -> Path:
-    return build_d3_checkpoint(tmp_path_factory.mktemp("ckpt") / "d3-tiny", attention_mode="noncausal_full_attention")
+def made_once(tmp_path_factory) -> Callable[[str, Callable[[Path], Path]], Path]:
+    """`made_once(name, make)`: the path `make(path)` made, once for the whole run. With pytest-xdist every worker
+    asks, the first makes it under a lock in the run's shared directory and the others wait for it and take it; the
+    checkpoints and artifacts below are read-only for the tests."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (root / "made-once").mkdir(exist_ok=True)
+
+    def made(name: str, make: Callable[[Path], Path]) -> Path:
+        path = root / "made-once" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f"{path.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            done = path.with_name(f"{path.name}.done")
+            if not done.exists():
+                shutil.rmtree(path, ignore_errors=True)
+                make(path)
+                done.touch()
+        return path
+
+    return made
 
 
 @pytest.fixture(scope="session")
-def d3_causal_checkpoint(tmp_path_factory) -> Path:
-    return build_d3_checkpoint(tmp_path_factory.mktemp("ckpt") / "d3-tiny-causal", attention_mode="causal", seed=1)
+def d3_checkpoint(made_once) -> Path:
+    return made_once("ckpt/d3-tiny", lambda path: build_d3_checkpoint(
+        path, attention_mode="noncausal_full_attention"))
 
 
 @pytest.fixture(scope="session")
-def d3_artifact(d3_checkpoint, tmp_path_factory) -> Path:
-    return export_checkpoint(str(d3_checkpoint), tmp_path_factory.mktemp("art") / "d3-tiny", forms=EVERY_FORM)
+def d3_causal_checkpoint(made_once) -> Path:
+    return made_once("ckpt/d3-tiny-causal", lambda path: build_d3_checkpoint(
+        path, attention_mode="causal", seed=1))
 
 
 @pytest.fixture(scope="session")
-def d3_causal_artifact(d3_causal_checkpoint, tmp_path_factory) -> Path:
-    return export_checkpoint(str(d3_causal_checkpoint), tmp_path_factory.mktemp("art") / "d3-tiny-causal",
-                             forms=EVERY_FORM)
+def d3_artifact(d3_checkpoint, made_once) -> Path:
+    return made_once("art/d3-tiny", lambda path: export_checkpoint(str(d3_checkpoint), path, forms=EVERY_FORM))
+
+
+@pytest.fixture(scope="session")
+def d3_causal_artifact(d3_causal_checkpoint, made_once) -> Path:
+    return made_once("art/d3-tiny-causal", lambda path: export_checkpoint(str(d3_causal_checkpoint), path,
+                                                                       forms=EVERY_FORM))
 
 
 @pytest.fixture(scope="session")
@@ -103,13 +132,13 @@ def reference_tokenizer(d3_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def d1_checkpoint(tmp_path_factory) -> Path:
-    return build_d1_checkpoint(tmp_path_factory.mktemp("ckpt") / "d1-tiny")
+def d1_checkpoint(made_once) -> Path:
+    return made_once("ckpt/d1-tiny", build_d1_checkpoint)
 
 
 @pytest.fixture(scope="session")
-def d1_artifact(d1_checkpoint, tmp_path_factory) -> Path:
-    return export_checkpoint(str(d1_checkpoint), tmp_path_factory.mktemp("art") / "d1-tiny", forms=EVERY_FORM)
+def d1_artifact(d1_checkpoint, made_once) -> Path:
+    return made_once("art/d1-tiny", lambda path: export_checkpoint(str(d1_checkpoint), path, forms=EVERY_FORM))
 
 
 @pytest.fixture(scope="session")

@@ -383,10 +383,10 @@ def test_a_form_onnxruntime_cannot_run_is_refused_and_the_next_one_is_tried(d3_c
 
     real_gate = forms_module.gate_form
 
-    def gate(config, staging, form, device):
+    def gate(config, staging, form, device, detail):
         if form.name == "cuda-fp16":
             raise RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : no kernel for this node\nmore detail")
-        return real_gate(config, staging, form, device)
+        return real_gate(config, staging, form, device, detail)
 
     monkeypatch.setattr(forms_module, "gate_form", gate)
     out = tmp_path / "art"
