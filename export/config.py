@@ -159,6 +159,14 @@ class ExportConfig(ABC):
             self._reference = self.load_reference()
         return self._reference
 
+    def release_reference(self) -> None:
+        """The torch reference let go (loaded again if read again): a gate that has the reference's answers runs the
+        fp32 graphs without the fp32 model beside them, the two together most of export's memory."""
+        import gc
+
+        self._reference = None
+        gc.collect()
+
     @property
     @abstractmethod
     def max_model_len(self) -> int:
@@ -174,7 +182,7 @@ class ExportConfig(ABC):
 
     @abstractmethod
     def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
-        """The parity gates, in order; the first is the text graph's, whose report is the artifact's."""
+        """The parity gates, in the order they run; the text graph's (`graph` None) report is the artifact's."""
 
     def forms(self) -> list[HalfForm]:
         """The half-precision forms to write beside the portable graphs (none unless the family declares them)."""

@@ -296,8 +296,6 @@ class D3ExportConfig(ExportConfig):
     def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
         def text(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
             hidden = int(self.text_config.hidden_size)
-            runner = CodeLogitsRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(), hidden,
-                                      self.state_layout)
             family = D3Family.load(staging)
             prompts = sample_prompts(family, staging, files, SAMPLE_REQUEST, lengths, seed, RANDOM_TOKEN_IDS)
             rng = np.random.default_rng(seed)
@@ -323,6 +321,14 @@ class D3ExportConfig(ExportConfig):
                 return np.stack(out)
 
             samples = [("media-embeds", prompts[-1][1], media)]
+            # The torch model's logits first, then the model let go before the graph's session is made: the fp32
+            # model and the fp32 graph in memory one after the other (the last gate: none after it reads it).
+            for _, ids in prompts:
+                reference(ids)
+            reference(samples[0][1], media)
+            self.release_reference()
+            runner = CodeLogitsRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(), hidden,
+                                      self.state_layout)
             args = (self.decision_config.temperature, atol, prob_atol)
             report = check_parity(lambda batch, media=None: runner.run(batch, media=media), reference, prompts,
                                   *args, media_samples=samples)
@@ -353,9 +359,10 @@ class D3ExportConfig(ExportConfig):
             return worst_vision_sample(rows, atol, "the torch vision tower")
 
         suffixes = ", whole and as suffixes on a prefilled prefix" if self.state_layout is not None else ""
-        return [Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts{suffixes}",
-                     text),
-                Gate("checking the vision graph against the torch vision tower", vision, graph="vision")]
+        # The vision gate first: the text gate lets the torch model go once it has its logits.
+        return [Gate("checking the vision graph against the torch vision tower", vision, graph="vision"),
+                Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts{suffixes}",
+                     text)]
 
     def forms(self) -> list[HalfForm]:
         from .answer_parity import parity_requests, question_pairs
