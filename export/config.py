@@ -9,11 +9,14 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .half_precision import FLOAT16, FLOAT16_MATMULS, FLOAT16_MIXED, Precision
 from .skeleton import Skeleton
 from .weights import Recipe
+
+if TYPE_CHECKING:
+    from .workload import Workload
 
 
 class ParityError(RuntimeError):
@@ -143,6 +146,7 @@ class ExportConfig(ABC):
     family: str
     skeleton: Skeleton
     checkpoint: Path
+    workload: type[Workload]  # what `systemone bench` runs through the runtime and torch (export/workload.py)
 
     @abstractmethod
     def __init__(self, checkpoint: Path):

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 from timing import alternating_ms
 
-from systemone.bench import WORKLOADS
+from systemone.models.registry import FAMILIES
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
@@ -33,7 +33,8 @@ def main() -> None:
         raise SystemExit("this artifact's tokenizer is always encoded whole: nothing to compare")
     print(f"{args.artifact} ({service.artifact.manifest.family}) on {service.provider}")
     try:
-        for name, body in WORKLOADS[service.artifact.manifest.family].requests().items():
+        workload = FAMILIES.get(service.artifact.manifest.family).load_export_config().workload
+        for name, body in workload.requests().items():
             for stage, run in (("prepare", service.prepare), ("decide", service.decide)):
 
                 def call(share: bool, i: int, run=run, body=body) -> Callable[[], object]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +30,8 @@ from .gpu_memory import device_used_mib
 from .models.registry import FAMILIES
 from .runtime.artifact import Artifact
 from .runtime.engine import EngineOptions
+from .export.workload import Workload
 from .runtime.service import DecisionService
-
-SNAKE_STATE = {"game": "snake", "board": {"width": 12, "height": 12}, "snake": [[5, 5], [5, 6], [5, 7], [6, 7]],
-               "direction": "up", "food": [[2, 3]], "score": 3, "turn": 41,
-               "walls": [[0, 0], [0, 11], [11, 0], [11, 11]], "last_moves": ["up", "up", "left", "up"]}
-SNAKE_QUESTIONS = {"move": {"type": "choice", "instructions": "Which move gets closer to the food safely?",
-                            "criteria": {"up": None, "down": None, "left": None, "right": None}}}
-
 
 def percentile_ms(times: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(times) * 1000.0, q))
@@ -100,138 +93,6 @@ def directory_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-@dataclass
-class Workload(ABC):
-    """A family's batches and requests: how to run a token batch through the runtime and through torch."""
-
-    service: DecisionService | None  # None once its form is measured
-    reference: Any  # the family's ExportConfig (its readout, attention mode and model class)
-    vocab: int
-    constants: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
-
-    def on_device(self, name: str, make: Callable[[], Any], device: Any) -> Any:
-        """A constant tensor on `device`, made once: a copy from the host inside a CUDA-graph capture would fail,
-        and in eager it would be timed as the model's work."""
-        if (name, str(device)) not in self.constants:
-            self.constants[name, str(device)] = make().to(device)
-        return self.constants[name, str(device)]
-
-    @abstractmethod
-    def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
-        """The runtime's numbers for a [B, L] batch of token ids (the graph run only)."""
-
-    @abstractmethod
-    def torch_inputs(self, model: Any, ids: np.ndarray) -> dict[str, Any]:
-        """The torch model's inputs for a [B, L] batch of token ids, on its device."""
-
-    @abstractmethod
-    def torch_logits(self, model: Any, inputs: dict[str, Any]) -> Any:
-        """The runtime's numbers from the torch model, a tensor on its device (`model`: the family's model class,
-        in any dtype, on any device)."""
-
-    def torch_batch(self, model: Any, ids: np.ndarray) -> np.ndarray:
-        import torch
-
-        with torch.no_grad():
-            return self.torch_logits(model, self.torch_inputs(model, ids)).float().cpu().numpy()
-
-    @staticmethod
-    @abstractmethod
-    def requests() -> dict[str, Callable[[int], dict[str, Any]]]:
-        """Whole-request kinds: name -> the i-th request body."""
-
-
-class D3Workload(Workload):
-    def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
-        return self.service.engine.runner.run([row.tolist() for row in ids])
-
-    def torch_inputs(self, model: Any, ids: np.ndarray) -> dict[str, Any]:
-        import torch
-
-        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-        batch, length = ids.shape
-        inputs: dict[str, Any] = {"input_ids": torch.from_numpy(ids).to(device),
-                                  "position_ids": torch.arange(length, device=device).view(1, 1, -1)
-                                  .expand(3, batch, length)}
-        if self.reference.attention_mode == "noncausal_full_attention":
-            inputs["attention_mask"] = {"full_attention": torch.zeros(batch, 1, length, length, dtype=dtype,
-                                                                      device=device), "linear_attention": None}
-        return inputs
-
-    def torch_logits(self, model: Any, inputs: dict[str, Any]) -> Any:
-        ref = self.reference
-        device = inputs["input_ids"].device
-        hidden = model(**inputs).last_hidden_state[:, -1].float()
-        logits = hidden @ self.on_device("readout", lambda: ref.readout("weight").t(), device)
-        if ref.readout_bias is not None:
-            logits = logits + self.on_device("bias", lambda: ref.readout("bias"), device)
-        return logits
-
-    @staticmethod
-    def requests() -> dict[str, Callable[[int], dict[str, Any]]]:
-        def one(i: int) -> dict[str, Any]:
-            # A new prompt length every time: the runtime must not depend on having seen a shape.
-            return {"state": {"ticket": "x " * (40 + i), "tier": "gold"},
-                    "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
-
-        def sixteen(i: int) -> dict[str, Any]:
-            questions = {f"q{k}": {"type": "choice", "instructions": f"Which team, case {k}?",
-                                   "criteria": {f"team {j}": None for j in range(2 + k % 5)}} for k in range(16)}
-            return {"state": {"ticket": "Charged twice for order 1234 " * (1 + i % 3)}, "questions": questions}
-
-        return {"one_question": one, "sixteen_questions": sixteen}
-
-
-class D1Workload(Workload):
-    def __init__(self, service: DecisionService, reference: Any, vocab: int):
-        super().__init__(service, reference, vocab)
-        from .export.d1.gates import label_ids
-
-        self.labels = label_ids(service.artifact.tokenizer.encode)
-
-    def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
-        logprobs, _ = self.service.engine.runner.whole_logprobs([row.tolist() for row in ids], self.labels)
-        return logprobs
-
-    def torch_inputs(self, model: Any, ids: np.ndarray) -> dict[str, Any]:
-        import torch
-
-        return {"input_ids": torch.from_numpy(ids).to(next(model.parameters()).device)}
-
-    def torch_logits(self, model: Any, inputs: dict[str, Any]) -> Any:
-        import torch
-
-        # Only the last position's logits, as a server computes them (not the LM head on every token).
-        logits = model(**inputs, logits_to_keep=1).logits[:, -1].float()
-        labels = self.on_device("labels", lambda: torch.tensor(self.labels), logits.device)
-        return torch.log_softmax(logits, dim=-1)[:, labels]
-
-    @staticmethod
-    def requests() -> dict[str, Callable[[int], dict[str, Any]]]:
-        from .export.d1.answer_parity import sixteen_questions
-        from .export.sample_media import image_url
-
-        # The same pixels as a PNG and as a JPEG: the PNG's decode (its noise does not compress) is the larger
-        # share of the request's host time, and photos arrive as JPEGs.
-        images = {fmt: image_url(1024, 1024, seed=7, fmt=fmt) for fmt in ("PNG", "JPEG")}
-
-        def one(i: int) -> dict[str, Any]:
-            return {"state": {**SNAKE_STATE, "turn": 41 + i}, "questions": SNAKE_QUESTIONS}
-
-        def sixteen(i: int) -> dict[str, Any]:
-            body = sixteen_questions(with_image=False)
-            body["state"]["tier"] = f"gold-{i}"
-            return body
-
-        def sixteen_image(fmt: str) -> Callable[[int], dict[str, Any]]:
-            return lambda i: {**sixteen(i), "images": [images[fmt]]}
-
-        return {"one_question": one, "sixteen_questions": sixteen,
-                "sixteen_questions_1024px_image": sixteen_image("PNG"),
-                "sixteen_questions_1024px_jpeg": sixteen_image("JPEG")}
-
-
-WORKLOADS = {"d3": D3Workload, "d1": D1Workload}
 
 
 def form_bytes(artifact: Artifact) -> int:
@@ -354,7 +215,7 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
     if artifact.manifest.family != entry.name:
         raise ValueError(f"{artifact_dir} is a {artifact.manifest.family} artifact; {checkpoint} is {entry.name}")
     reference = entry.load_export_config()(checkpoint)
-    vocab = 150_000 if entry.name == "d3" else int(reference.text_config.vocab_size)
+    vocab = reference.workload.token_bound(reference)
     torch_device = "cuda" if device == "cuda" else "cpu"
     sync = torch.cuda.synchronize if torch_device == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
@@ -396,7 +257,7 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
         # replay), then the CUDA graphs captured on this thread, which runs every timed call.
         service.batch_sizing()
         service.warm_up()
-        work = WORKLOADS[entry.name](service, reference, vocab)
+        work = reference.workload(service, reference, vocab)
         if not references:
             references = {shape: work.torch_batch(check, ids) for shape, ids in token_batches.items()}
             if all(side.model is not check for side in sides):

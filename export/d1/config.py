@@ -26,6 +26,7 @@ from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFile
 from ..half_precision import FLOAT16_MATMULS
 from ..skeleton import Skeleton
 from ..stack import meta_outputs
+from .workload import D1Workload
 from ..parity import sample_prompts
 from ..fused_ops import TRANSLATIONS
 from .gates import SAMPLE_REQUEST, check_text_parity, check_vision_parity, label_ids
@@ -56,6 +57,7 @@ def processor_settings(checkpoint: Path) -> tuple[dict[str, Any], str | None]:
 
 
 class D1ExportConfig(ExportConfig):
+    workload = D1Workload
     family = "d1"
 
     def __init__(self, checkpoint: Path):

@@ -23,6 +23,7 @@ from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFile
 from ..half_precision import FLOAT16_MATMULS
 from ..skeleton import Skeleton
 from ..stack import meta_outputs
+from .workload import D3Workload
 from ..parity import check_parity, sample_prompts, worst_vision_sample
 from .fused_ops import TRANSLATIONS
 from .qwen3_5_text import D3TextGraph, GatedDeltaNetLayer
@@ -58,6 +59,7 @@ READOUT_FILE = "readout.safetensors"
 
 
 class D3ExportConfig(ExportConfig):
+    workload = D3Workload
     family = "d3"
 
     def __init__(self, checkpoint: Path):
