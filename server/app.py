@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,6 +38,7 @@ from .auth import Unauthorized, check_bearer
 from .body import BodyTimeout, NotJson, decode_content, parse_json, read_capped
 from .errors import decision_error_response, error_response, schema_error_response
 from .metrics import Metrics
+from .options import ServerOptions
 from .schema import ROUTE_DOCS, document_request_body
 from .body_memory import BodyCharge, BodyMemory, BodyMemoryFull, parsed_size_bound
 from .docs_pages import add_docs_pages
@@ -48,21 +48,6 @@ log = logging.getLogger("systemone.server")
 JSON_MEDIA_TYPE = "application/json"
 UNSUPPORTED_MEDIA_MESSAGE = "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": logged and counted; nobody reads it
-
-
-@dataclass
-class ServerOptions:
-    api_key: str | None = None
-    max_concurrency: int = 64  # requests admitted to the scheduler at once (their questions share batches)
-    max_queue: int = 64  # requests waiting for admission; past it 503 + Retry-After
-    request_timeout_s: float = 60.0
-    max_body_bytes: int = 64 << 20
-    log_requests: bool = False
-    parse_workers: int = 4  # threads that decode bodies, check requests and tokenize (never wait on media)
-    heavy_parse_workers: int = 1  # threads that render and tokenize requests of long texts (HEAVY_TEXT_BYTES)
-    max_body_memory: int = 1 << 30  # what bodies may hold before admission (server/body_memory.py)
-    max_batch_rows: int | None = None  # rows a text-graph call; None: measured at start-up (runtime/batch_sizing.py)
-    batch_wait_ms: float = 1.0  # how long a call that could take more rows waits for them
 
 
 INLINE_BOUND_BYTES = 64 << 10  # bodies whose parsed-size bound the event loop counts itself (about 0.15 ms)

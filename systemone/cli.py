@@ -209,7 +209,8 @@ def served_app(args: argparse.Namespace, api_key: str | None) -> tuple[Any, Any,
     """The service and app `serve`'s flags `args` make (the artifact exported first where a checkpoint is given),
     and where the batch rows came from: one `systemone serve`, or one replica of it (systemone/ray_serve.py)."""
     from .batch_rows import kept_batch_sizing
-    from .server.app import ServerOptions, create_app
+    from .server.app import create_app
+    from .server.options import ServerOptions
 
     options = ServerOptions(api_key=api_key, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
@@ -352,6 +353,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _runtime_options(parser: argparse.ArgumentParser) -> None:
+    from .runtime.media_allowance import MediaBudget
+    from .runtime.media_fetch import FetchPolicy
+    from .runtime.service import MediaLimits
+
+    # The runtime's defaults, written once where they are used.
+    fetch, limits, budget = FetchPolicy(), MediaLimits(), MediaBudget()
     parser.add_argument("artifact", metavar="MODEL",
                         help="an exported artifact directory (it has a manifest.json), or a checkpoint: a hub id "
                              "(owner/name) or a checkpoint directory, exported on first use into the cache "
@@ -391,13 +398,13 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
                        help="only these hostnames (exact match) may be fetched; repeat for several")
     media.add_argument("--allow-private-media-hosts", action="store_true",
                        help="allow hosts that resolve to private, loopback or link-local addresses")
-    media.add_argument("--max-media-bytes", type=int, default=256 << 20, help="largest media download (413 over)")
-    media.add_argument("--limit-images", type=int, default=16, help="most images per request")
-    media.add_argument("--limit-videos", type=int, default=4, help="most videos per request")
-    media.add_argument("--image-fetch-timeout", type=float, default=5.0,
+    media.add_argument("--max-media-bytes", type=int, default=fetch.max_bytes, help="largest media download (413 over)")
+    media.add_argument("--limit-images", type=int, default=limits.images, help="most images per request")
+    media.add_argument("--limit-videos", type=int, default=limits.videos, help="most videos per request")
+    media.add_argument("--image-fetch-timeout", type=float, default=fetch.image_timeout_s,
                        help="seconds a whole image fetch may take (connect, headers, body; 422 after)")
-    media.add_argument("--video-fetch-timeout", type=float, default=30.0, help="the same for a video")
-    media.add_argument("--media-fetch-attempts", type=_positive_int, default=3,
+    media.add_argument("--video-fetch-timeout", type=float, default=fetch.video_timeout_s, help="the same for a video")
+    media.add_argument("--media-fetch-attempts", type=_positive_int, default=fetch.attempts,
                        help="tries of a media URL whose failure may pass (HTTP 5xx, a connection refused or cut): "
                             "1 s, then 4 s apart, within the request's time; a try that times out is not repeated")
     media.add_argument("--no-media-proxy", action="store_true",
@@ -409,13 +416,13 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--media-processes", type=int, default=None,
                        help="processes that resize media into pixel rows, shared by all requests; 0: threads of "
                             "the server's process (default: all cores but two, at most 16; none below 6 cores)")
-    media.add_argument("--max-request-pixels", type=int, default=70_000_000,
+    media.add_argument("--max-request-pixels", type=int, default=budget.pixels,
                        help="decoded pixels of one request's images and sampled video frames, from their headers")
-    media.add_argument("--max-request-media-bytes", type=int, default=256 << 20,
+    media.add_argument("--max-request-media-bytes", type=int, default=budget.download_bytes,
                        help="bytes one request's media URLs may download in all")
-    media.add_argument("--max-server-media-pixels", type=int, default=140_000_000,
+    media.add_argument("--max-server-media-pixels", type=int, default=budget.server_pixels,
                        help="decoded pixels of every request's media being loaded at once (503 past it)")
-    media.add_argument("--max-server-media-bytes", type=int, default=512 << 20,
+    media.add_argument("--max-server-media-bytes", type=int, default=budget.server_download_bytes,
                        help="bytes every request's media URLs being fetched at once may hold (503 past it)")
     media.add_argument("--max-video-frame-pixels", type=int, default=3840 * 2160, help="largest video frame")
     media.add_argument("--max-jpeg-video-frames", type=int, default=64, help="most frames of a data:video/jpeg")
@@ -494,7 +501,9 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     from .loadgen import ALL_KINDS, DEFAULT_TIMEOUT_S, KINDS, PUBLISHED
     from .models.registry import FAMILIES
+    from .server.options import ServerOptions
 
+    served = ServerOptions()  # serve's defaults, written once
     formatter = _HelpFormatter
     parser = _Parser(prog="systemone", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=_TopHelpFormatter)
@@ -540,18 +549,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "ignored")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="serve on a non-loopback address without an API key")
-    serve.add_argument("--max-concurrency", type=int, default=64,
+    serve.add_argument("--max-concurrency", type=int, default=served.max_concurrency,
                        help="requests admitted to the scheduler at once (their questions share batches)")
-    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting for admission; more get 503")
-    serve.add_argument("--max-batch-rows", type=_positive_int, default=None,
+    serve.add_argument("--max-queue", type=int, default=served.max_queue, help="requests waiting for admission; more get 503")
+    serve.add_argument("--max-batch-rows", type=_positive_int, default=served.max_batch_rows,
                        help="most questions one text-graph call takes (default: measured at start-up)")
-    serve.add_argument("--batch-wait-ms", type=_non_negative_float, default=1.0,
+    serve.add_argument("--batch-wait-ms", type=_non_negative_float, default=served.batch_wait_ms,
                        help="how long a call that could take more questions waits for them")
-    serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds a request may take (503 after)")
-    serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
+    serve.add_argument("--request-timeout", type=float, default=served.request_timeout_s, help="seconds a request may take (503 after)")
+    serve.add_argument("--max-body-bytes", type=int, default=served.max_body_bytes,
                        help="largest request body, compressed or decompressed (413 over it)")
     serve.add_argument("--log-requests", action="store_true", help="log request bodies (they hold the state)")
-    serve.add_argument("--max-body-memory", type=int, default=1 << 30,
+    serve.add_argument("--max-body-memory", type=int, default=served.max_body_memory,
                        help="bytes that request bodies may hold before admission: received bytes, then an upper "
                             "bound of what parsing each takes (413 for a body over it alone, 503 + Retry-After "
                             "while others hold it)")
