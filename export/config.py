@@ -192,6 +192,10 @@ class ExportConfig(ABC):
         """The half-precision forms to write beside the portable graphs (none unless the family declares them)."""
         return []
 
+    def random_token_bound(self) -> int:
+        """Random token ids (the bench's batches) are drawn below this: ids every checkpoint of the family has."""
+        return int(self.text_config.vocab_size)
+
     @contextmanager
     def reference_on(self, device: str) -> Iterator[None]:
         """The torch reference on `device` (cpu, cuda), in fp32 without TF32 (its 10-bit mantissa is not a

@@ -56,11 +56,6 @@ class Workload(ABC):
     def requests() -> dict[str, Callable[[int], dict[str, Any]]]:
         """Whole-request kinds: name -> the i-th request body."""
 
-    @classmethod
-    @abstractmethod
-    def token_bound(cls, reference: Any) -> int:
-        """Random token ids are drawn below this (ids every checkpoint of the family has)."""
-
     @abstractmethod
     def torch_answers(self, model: Any, prepared: Prepared) -> list[Readout]:
         """A prepared request read by the torch model as a competent torch server reads it (the reference server,

@@ -29,6 +29,14 @@ class MediaBudget:
     server_download_bytes: int = 512 << 20
 
 
+@dataclass(frozen=True)
+class MediaLimits:
+    """Most images and videos one request may carry (vLLM's --limit-mm-per-prompt)."""
+
+    images: int = 16
+    videos: int = 4
+
+
 class MediaAllowance:
     """One request's account against its `MediaBudget`; its media load concurrently, so it is locked."""
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ..models.errors import DecisionError, ModelFault, ModelNotFound, NotSupported, TooLarge
@@ -22,7 +21,7 @@ from .artifact import Artifact
 from .batch_sizing import BatchSizing, measure_batch_rows
 from .deadline import Deadline
 from .engine import Engine, EngineOptions, Prepared
-from .media_allowance import MediaBudget
+from .media_allowance import MediaBudget, MediaLimits
 from .media_encoder import LoadedMedia
 from .media_pool import MediaPool
 from .prompt import RenderedPrompt
@@ -30,14 +29,6 @@ from .session import resolve_device
 
 RESPONSE_OBJECT = "structured_decision"
 ID_PREFIX = "decision-"
-
-
-@dataclass(frozen=True)
-class MediaLimits:
-    """Most images and videos one request may carry (vLLM's --limit-mm-per-prompt)."""
-
-    images: int = 16
-    videos: int = 4
 
 
 # TypeSafe's SDK sends this name unless told otherwise, and jevcompat's MUST `request.model-alias` requires it to

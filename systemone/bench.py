@@ -215,7 +215,7 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
     if artifact.manifest.family != entry.name:
         raise ValueError(f"{artifact_dir} is a {artifact.manifest.family} artifact; {checkpoint} is {entry.name}")
     reference = entry.load_export_config()(checkpoint)
-    vocab = reference.workload.token_bound(reference)
+    vocab = reference.random_token_bound()
     torch_device = "cuda" if device == "cuda" else "cpu"
     sync = torch.cuda.synchronize if torch_device == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)

@@ -353,9 +353,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _runtime_options(parser: argparse.ArgumentParser) -> None:
-    from .runtime.media_allowance import MediaBudget
+    from .runtime.media_allowance import MediaBudget, MediaLimits
     from .runtime.media_fetch import FetchPolicy
-    from .runtime.service import MediaLimits
 
     # The runtime's defaults, written once where they are used.
     fetch, limits, budget = FetchPolicy(), MediaLimits(), MediaBudget()

@@ -83,7 +83,7 @@ def reference_service(checkpoint: Path, artifact_dir: Path, device: str = "cpu",
     if dtype == "auto":
         dtype = "bfloat16" if torch_device == "cuda" else "float32"
     model = torch_runtime.load_model(model_class, checkpoint, dtype, torch_device)
-    work = reference.workload(service, reference, reference.workload.token_bound(reference))
+    work = reference.workload(service, reference, reference.random_token_bound())
     service.engine = TorchEngine(service.engine, work, model)
     return service
 

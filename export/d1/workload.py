@@ -26,10 +26,6 @@ class D1Workload(Workload):
 
         self.labels = label_ids(service.artifact.tokenizer.encode)
 
-    @classmethod
-    def token_bound(cls, reference: Any) -> int:
-        return int(reference.text_config.vocab_size)
-
     def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
         logprobs, _ = self.service.engine.runner.whole_logprobs([row.tolist() for row in ids], self.labels)
         return logprobs

@@ -366,6 +366,9 @@ class D3ExportConfig(ExportConfig):
                 Gate(f"checking parity with the torch model at lengths {list(lengths)} and on real prompts{suffixes}",
                      text)]
 
+    def random_token_bound(self) -> int:
+        return RANDOM_TOKEN_IDS
+
     def forms(self) -> list[HalfForm]:
         from .answer_parity import parity_requests, question_pairs
 

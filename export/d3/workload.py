@@ -13,12 +13,6 @@ from ..workload import Workload
 
 
 class D3Workload(Workload):
-    @classmethod
-    def token_bound(cls, reference: Any) -> int:
-        from .config import RANDOM_TOKEN_IDS
-
-        return RANDOM_TOKEN_IDS
-
     def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
         return self.service.engine.runner.run([row.tolist() for row in ids])
 
