@@ -308,13 +308,11 @@ def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
     in_flight = 0
 
     def store(tensor, values: np.ndarray | bytes, data) -> None:
-        if isinstance(values, np.ndarray):
-            if values.nbytes <= INLINE_BYTES:  # a small virtual tensor: kept in the graph file
-                tensor.raw_data = values.tobytes()
-                tensor.data_location = onnx.TensorProto.DEFAULT
-                del tensor.external_data[:]
-                return
-            del tensor.external_data[:]
+        del tensor.external_data[:]  # a virtual tensor's recipe entry (a stored one has none)
+        if isinstance(values, np.ndarray) and values.nbytes <= INLINE_BYTES:  # small: kept in the graph file
+            tensor.raw_data = values.tobytes()
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            return
         size = values.nbytes if isinstance(values, np.ndarray) else len(values)
         offset = data.seek(0, os.SEEK_END)
         padding = -offset % ALIGNMENT
