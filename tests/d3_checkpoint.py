@@ -8,12 +8,16 @@ processor configs (spec 4.9/4.10). The weights are random: answers are meaningle
 the runtime compute can be checked against the torch model.
 
     python scripts/build_d3_checkpoint.py OUT [--size tiny|d3-edge|d3-lite|d3-nano|d3-mini|d3-flash|d3]
-        [--attention-mode causal|noncausal_full_attention] [--seed 0]
+        [--attention-mode causal|noncausal_full_attention] [--seed 0] [--device cpu|cuda]
+
+The released sizes are written as save_pretrained shards them, module by module (tests/d3_checkpoint.py,
+`write_model_streamed`): d3's 26B parameters are never whole in memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import json
 import shutil
@@ -118,9 +122,87 @@ def write_processor_files(out: Path) -> None:
     (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
 
 
+SHARD_BYTES = 5 << 30  # a shard's size, as save_pretrained's default max_shard_size ("5GB") makes them
+
+
+def _spread_norm(weight) -> None:
+    # Norm weights start at zero in transformers' init; give them spread so that every layer shapes the answer
+    # and the random model's picks differ from question to question.
+    weight.normal_(0.0, 0.3)
+
+
+def write_model_streamed(model_class, config, out: Path, shard_bytes: int = SHARD_BYTES, device: str = "cpu") -> None:
+    """The model's bf16 weights written as `save_pretrained` writes a sharded checkpoint (`config.json`,
+    `model-0000k-of-0000n.safetensors`, `model.safetensors.index.json`), made module by module in bf16 with
+    transformers' own init, on `device` (cuda: the random draws take seconds where a CPU takes minutes at d3's 26B
+    values): a released size's model is never whole in memory (d3's is 52 GB in bf16, 104 GB in fp32)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from systemone.export.skeleton import parameters_on_meta
+
+    with parameters_on_meta():
+        model = model_class._from_config(copy.deepcopy(config), dtype=torch.bfloat16).eval()  # keeps config's
+    # Each module initialised by the model it belongs to (the vision tower by its own, with its own config).
+    owners = {name: module for name, module in model.named_modules() if hasattr(module, "_init_weights")}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            if next(module.parameters(recurse=False), None) is None:
+                continue
+            module.to_empty(device=device, recurse=False)
+            owner = max((name for name in owners if module_name.startswith(name)), key=len)
+            owners[owner]._init_weights(module)
+            for name, param in module.named_parameters(recurse=False):
+                key = f"{module_name}.{name}" if module_name else name
+                if key.endswith("norm.weight"):
+                    _spread_norm(param)
+                tensor = param.detach().to("cpu", torch.bfloat16).contiguous()
+                if size and size + tensor.nbytes > shard_bytes:
+                    shards.append({})
+                    size = 0
+                shards[-1][key] = tensor
+                size += tensor.nbytes
+            module.to("meta")
+            if len(shards) > 1:  # every shard but the last is complete: written now, under a temporary name
+                save_file(shards[0], str(out / f"shard-{_written(out)}.tmp"), metadata={"format": "pt"})
+                shards.pop(0)
+    save_file(shards[0], str(out / f"shard-{_written(out)}.tmp"), metadata={"format": "pt"})
+    parts = sorted(out.glob("shard-*.tmp"), key=lambda path: int(path.name[6:-4]))
+    if len(parts) == 1:  # one shard: save_pretrained's single file, no index
+        parts[0].rename(out / "model.safetensors")
+    else:
+        weight_map, total = {}, 0
+        for index, part in enumerate(parts, 1):
+            name = f"model-{index:05d}-of-{len(parts):05d}.safetensors"
+            part.rename(out / name)
+            for key, entry in _safetensors_header(out / name).items():
+                weight_map[key] = name
+                total += entry["data_offsets"][1] - entry["data_offsets"][0]
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config.architectures = [model_class.__name__]
+    config.dtype = torch.bfloat16
+    config.save_pretrained(out)
+
+
+def _written(out: Path) -> int:
+    return len(list(out.glob("shard-*.tmp")))
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
 def build_d3_checkpoint(out: str | Path, size: str = "tiny", attention_mode: str = "noncausal_full_attention",
-                        seed: int = 0, temperature: float = 0.75) -> Path:
-    """Write a seeded random-init d3 checkpoint of `size` to `out` and return its path."""
+                        seed: int = 0, temperature: float = 0.75, device: str = "cpu") -> Path:
+    """Write a seeded random-init d3 checkpoint of `size` to `out` and return its path; a released size's weights
+    are drawn on `device`."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3_5Config, Qwen3_5Model
@@ -130,15 +212,18 @@ def build_d3_checkpoint(out: str | Path, size: str = "tiny", attention_mode: str
     torch.manual_seed(seed)
     config = Qwen3_5Config(**_config(size))
     config.architectures = ["Qwen3_5Model"]
-    with torch.device("cpu"):
-        model = Qwen3_5Model(config).eval()
-    # Norm weights start at zero in transformers' init; give them spread so that every layer shapes the answer
-    # and the random model's picks differ from question to question.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(0.0, 0.3)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    if size == "tiny":
+        with torch.device("cpu"):
+            model = Qwen3_5Model(config).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    _spread_norm(param)
+        model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    else:
+        if device == "cuda":
+            torch.cuda.manual_seed(seed)
+        write_model_streamed(Qwen3_5Model, config, out, device=device)
 
     codes = answer_codes()
     hidden = config.text_config.hidden_size
@@ -175,8 +260,10 @@ def main() -> None:
     parser.add_argument("--attention-mode", default="noncausal_full_attention",
                         choices=["causal", "noncausal_full_attention"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where a released size's random weights are drawn (cuda: seconds rather than minutes)")
     args = parser.parse_args()
-    path = build_d3_checkpoint(args.out, args.size, args.attention_mode, args.seed)
+    path = build_d3_checkpoint(args.out, args.size, args.attention_mode, args.seed, device=args.device)
     print(f"wrote a random-init {args.size} d3 checkpoint to {path}")
 
 

@@ -46,3 +46,30 @@ def test_tokenizer_template_and_processor_files(d3_checkpoint):
     image = json.loads((d3_checkpoint / "preprocessor_config.json").read_text())
     assert image["patch_size"] == 16 and image["merge_size"] == 2 and image["temporal_patch_size"] == 2
     assert json.loads((d3_checkpoint / "video_preprocessor_config.json").read_text())["fps"] == 2
+
+
+def test_released_sizes_are_written_in_shards_module_by_module_as_save_pretrained_writes_them(d3_checkpoint,
+                                                                                               tmp_path):
+    """A released size's fp32 model is never whole in memory (d3's is 108 GB): its tensors are made module by module
+    and written in save_pretrained's sharded layout, which transformers loads, spread as transformers' init
+    spreads them."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5Model
+
+    from tests.d3_checkpoint import _config, write_model_streamed
+
+    write_model_streamed(Qwen3_5Model, Qwen3_5Config(**_config("tiny")), tmp_path, shard_bytes=200_000)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {shard.name for shard in shards}
+    model, info = Qwen3_5Model.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and model.dtype == torch.bfloat16
+    reference = Qwen3_5Model.from_pretrained(d3_checkpoint).state_dict()
+    streamed = model.state_dict()
+    assert set(streamed) == set(reference)
+    for name, tensor in reference.items():
+        assert streamed[name].shape == tensor.shape, name
+        if tensor.numel() > 1000:  # the same init, other random draws: the same spread
+            assert abs(streamed[name].float().std() - tensor.float().std()) <= 0.15 * tensor.float().std() + 1e-3, name
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads((d3_checkpoint / "config.json").read_text())
