@@ -7,6 +7,7 @@ per provider set."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.artifact import FormEntry, Manifest
+from ..runtime.linked_weights import links_path
 from .answer_gate import gate_answers
 from .config import ExportConfig, HalfForm, ParityError
 from .graph_export import GraphExports
@@ -32,7 +34,7 @@ def form_files(form: HalfForm) -> dict[str, str]:
 def remove_form_files(root: Path, files: dict[str, str]) -> None:
     """A form's graph files (by graph name) and their weights, where they are."""
     for file in files.values():
-        for path in (root / file, root / f"{file}.data"):
+        for path in (root / file, root / f"{file}.data", links_path(root / file)):
             path.unlink(missing_ok=True)
 
 
@@ -73,14 +75,22 @@ def gate_form(config: ExportConfig, staging: Path, form: HalfForm, device: str,
     # Measured as serve measures at start-up, so a request's questions are grouped into calls as serve groups them:
     # in half precision the grouping moves answers (docs/decisions/form-gate-batching.md).
     sizing = service.batch_sizing()
-    detail(f"the runtime on {service.provider}: loaded, its rows a call measured, in {time.monotonic() - began:.1f} s")
+    provider = service.provider
+    detail(f"the runtime on {provider}: loaded, its rows a call measured, in {time.monotonic() - began:.1f} s")
+    began = time.monotonic()
+    answers = form.runtime_answers(service)
+    detail(f"the questions through the runtime in {time.monotonic() - began:.1f} s")
+    service.close()
+    del service  # its sessions and their device memory go before the torch model comes
+    gc.collect()
     began = time.monotonic()
     with config.reference_on(device):
-        detail(f"the torch reference on {device} in {time.monotonic() - began:.1f} s")
+        streamed = f", {config.stream_bytes / 2**30:.1f} GiB of layers at a time" if config.stream_bytes else ""
+        detail(f"the torch reference on {device} in {time.monotonic() - began:.1f} s{streamed}")
         began = time.monotonic()
-        report = gate_answers(form.answer_pairs(service), form.tolerance)
-    detail(f"{report['questions']} questions through both in {time.monotonic() - began:.1f} s")
-    return {**report, "device": device, "provider": service.provider, "batch_rows": sizing.describe()}
+        report = gate_answers(form.reference_pairs(answers), form.tolerance)
+    detail(f"{report['questions']} questions through the torch reference in {time.monotonic() - began:.1f} s")
+    return {**report, "device": device, "provider": provider, "batch_rows": sizing.describe()}
 
 
 def write_forms(config: ExportConfig, forms: list[HalfForm], staging: Path, manifest: Manifest, device: str,

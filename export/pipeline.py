@@ -29,7 +29,9 @@ from .graph_export import OPSET, GraphExports, TracedGraph
 from .parity import DEFAULT_ATOL, DEFAULT_PROB_ATOL, PARITY_LENGTHS
 from .progress import Progress
 from .source import checkpoint_name, file_hashes, resolve_checkpoint
-from .weights import CheckpointTensors, graph_tensors, write_graph
+from .weights import CheckpointTensors, Linker, graph_tensors, write_graph
+
+WEIGHTS = ("copy", "link")  # how an artifact holds its weights (`--weights`)
 
 # The portable fp32 graphs are not written by default for a model this large: on a CPU they would hold four bytes
 # a parameter and answer too slowly to serve (d3 (27B): 108 GB); `--forms portable` still writes them.
@@ -108,9 +110,17 @@ def plan_forms(config: ExportConfig, names: Sequence[str] | None, device: str) -
 class _Writer:
     """Writes traced graphs with their weights from the checkpoint, showing the bytes as they go."""
 
-    def __init__(self, checkpoint: Path, progress: Progress):
+    def __init__(self, checkpoint: Path, progress: Progress, root: Path, weights: str = "copy"):
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights={weights!r}: copy or link")
         self.tensors = CheckpointTensors(checkpoint)
         self.progress = progress
+        self.linker = Linker(root, self.tensors, say=progress.detail) if weights == "link" else None
+
+    @property
+    def linked(self) -> dict[str, int]:
+        """The checkpoint files linked so far, by their path in the artifact, with sizes (the manifest's)."""
+        return dict(self.linker.files) if self.linker is not None else {}
 
     def __call__(self, model, path: Path, traced: TracedGraph, check: bool = False) -> Path:
         """`model` written at `path` with the weights of `traced`; `check`: run onnx's checker on it (a portable
@@ -122,7 +132,7 @@ class _Writer:
         expected = sum(int(np.prod(t.dims, dtype=np.int64)) * _itemsize(t.data_type, tensor_dtype_to_np_dtype)
                        for t in graph_tensors(model))
         self.progress.writing(f"{path.name}.data", expected)
-        write_graph(model, path, traced.book, self.tensors, written=self.progress.wrote)
+        write_graph(model, path, traced.book, self.tensors, written=self.progress.wrote, linker=self.linker)
         self.progress.writing("", 0)
         if check:
             onnx.checker.check_model(str(path))
@@ -140,12 +150,15 @@ def _itemsize(data_type: int, to_numpy) -> int:
 def export_checkpoint(source: str, out: str | Path, *, revision: str | None = None, atol: float = DEFAULT_ATOL,
                       prob_atol: float = DEFAULT_PROB_ATOL, lengths: Sequence[int] = PARITY_LENGTHS,
                       overwrite: bool = False, seed: int = 0, families: FamilyRegistry = FAMILIES,
-                      forms: Sequence[str] | None = None, gate_device: str = "auto", jobs: int = 1) -> Path:
+                      forms: Sequence[str] | None = None, gate_device: str = "auto", jobs: int = 1,
+                      weights: str = "copy") -> Path:
     """Export the checkpoint `source` (directory or hub id) to an artifact directory `out`: the forms `forms` names
     (`portable` for the fp32 graphs; None: what `plan_forms` chooses for the gate device), the half-precision ones
     gated on `gate_device` (auto: CUDA where onnxruntime has it, else the CPU); with `jobs` > 1 the graphs are
     traced in that many worker processes at once (export/graph_export.py, `GraphExports`). No model is held in
-    memory: graphs are traced without weights, which go from the checkpoint into each graph as it is written."""
+    memory: graphs are traced without weights, which go from the checkpoint into each graph as it is written; with
+    `weights="link"` those used as stored are linked to the checkpoint's files instead (export/weights.py,
+    `Linker`)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass --overwrite to replace it)")
@@ -166,7 +179,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     exports = GraphExports(type(config), checkpoint, jobs, seed)
-    write = _Writer(checkpoint, progress)
+    write = _Writer(checkpoint, progress, staging, weights)
     try:
         if plan.portable:
             for spec in graphs:
@@ -201,8 +214,11 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
             parity=reports.get(None, {"summary": "no portable graphs written (the forms' gates say how they "
                                                  "answer)"}),
             versions=_versions(), exported_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        manifest = replace(manifest, linked=write.linked)
         manifest.write(staging)
         manifest = write_forms(config, plan.forms, staging, manifest, device, progress, exports, write)
+        manifest = replace(manifest, linked=write.linked)
+        manifest.write(staging)
         if not plan.portable and all(form.refused for form in manifest.forms.values()):
             raise ParityError("no form passed its gate, and no portable graphs were asked for: nothing to serve "
                               "(the manifest's refusals: " + "; ".join(f"{n}: {f.refused}" for n, f in
@@ -221,11 +237,12 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
 
 
 def add_forms(source: str, artifact: str | Path, *, revision: str | None = None, forms: Sequence[str] | None = None,
-              gate_device: str = "auto", families: FamilyRegistry = FAMILIES, jobs: int = 1) -> Manifest:
+              gate_device: str = "auto", families: FamilyRegistry = FAMILIES, jobs: int = 1,
+              weights: str = "copy") -> Manifest:
     """Write the half-precision `forms` (None: every one the family declares) onto `artifact`, an export of the
     checkpoint `source`, in place of the forms it has: for an artifact exported where the gate could not run on
     the forms' device. The portable graphs and their gates are kept as they are. `jobs` as `export_checkpoint`
-    takes it."""
+    takes it, and `weights`."""
     from .forms import remove_form_files
 
     artifact = Path(artifact)
@@ -246,8 +263,11 @@ def add_forms(source: str, artifact: str | Path, *, revision: str | None = None,
         remove_form_files(artifact, form.graphs)
     with GraphExports(type(config), checkpoint, jobs) as exports:
         start_form_traces(config, half_forms, exports)
+        write = _Writer(checkpoint, progress, artifact, weights)
         manifest = write_forms(config, half_forms, artifact, replace(manifest, forms={}), resolve_device(gate_device),
-                               progress, exports, _Writer(checkpoint, progress))
+                               progress, exports, write)
+        manifest = replace(manifest, linked={**manifest.linked, **write.linked})
+        manifest.write(artifact)
     _print_forms(manifest)
     return manifest
 

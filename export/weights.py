@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime.linked_weights import LINKED, LINKED_DIR, LinkedWeight, write_links
+
 VIRTUAL = "<virtual>"  # an initializer's external-data location until `write_graph` gives it its values
 RECIPE_KEY = "recipe"
 ALIGNMENT = 64  # each tensor's offset in a data file (onnxruntime maps the file; aligned rows read faster)
@@ -293,17 +295,107 @@ def _made(tensor, recipe: str, book: WeightBook, tensors: CheckpointTensors) -> 
     return values
 
 
+# A weight linked rather than written is at least this large: small ones cost more in the links file than on disk.
+LINK_MIN_BYTES = 1 << 20
+_LINKABLE_DTYPES = {"BF16", "F16", "F32"}
+
+
+class Linker:
+    """Links virtual weights that are a run of rows of one checkpoint tensor (the tensor, or a piece of a split
+    along its first axis), read as such or transposed, to the checkpoint's file instead of writing their values
+    (runtime/linked_weights.py makes them when a session opens). The file is hard-linked into `root`/linked/: the
+    artifact takes no disk for it and keeps it if the checkpoint is removed (a copy where no hard link can be
+    made: another filesystem). `files` records what was linked, with sizes, for the manifest."""
+
+    def __init__(self, root: Path, tensors: CheckpointTensors, min_bytes: int = LINK_MIN_BYTES,
+                 say: Callable[[str], None] = lambda _: None):
+        self.root, self.tensors, self.min_bytes, self.say = Path(root), tensors, min_bytes, say
+        self.files: dict[str, int] = {}
+
+    def link(self, tensor, recipe: str, book: WeightBook):
+        """The `LinkedWeight` for virtual `tensor` (recipe `recipe`), or None where it is not linkable."""
+        import onnx
+
+        dtype = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.FLOAT: "float32"}.get(tensor.data_type)
+        view = _row_view(recipe, book)
+        if dtype is None or view is None:
+            return None
+        stored_recipe, first, rows, transpose = view
+        file, stored = stored_recipe.file, self.tensors.stored(stored_recipe.file, stored_recipe.key)
+        if stored.dtype not in _LINKABLE_DTYPES or not stored.shape:
+            return None
+        shape = (stored.shape[0] if rows < 0 else rows, *stored.shape[1:])
+        row_bytes = stored.length // stored.shape[0]
+        if transpose and len(shape) != 2:
+            return None
+        link = LinkedWeight(tensor.name, f"{LINKED_DIR}/{file}", stored.start + first * row_bytes, stored.dtype,
+                            shape, dtype, transpose)
+        if link.graph_shape != tuple(tensor.dims) or link.nbytes < self.min_bytes:
+            return None
+        self._link_file(file)
+        return link
+
+    def _link_file(self, file: str) -> None:
+        name = f"{LINKED_DIR}/{file}"
+        if name in self.files:
+            return
+        source, target = self.tensors.root / file, self.root / name
+        target.parent.mkdir(exist_ok=True)
+        if not target.exists():
+            try:
+                os.link(source, target)
+            except OSError as exc:
+                import shutil
+
+                self.say(f"{file} cannot be hard-linked into the artifact ({exc.strerror}): copying it")
+                shutil.copyfile(source, target)
+        self.files[name] = target.stat().st_size
+
+
+def _row_view(name: str, book: WeightBook) -> tuple[Stored, int, int, bool] | None:
+    """(stored tensor, first row, rows, transposed) where recipe `name` is such a view of one stored tensor: the
+    tensor, a piece of a Split along its first axis, either one transposed (2-D); None otherwise."""
+    import onnx
+
+    recipe = book.recipes.get(name)
+    transpose = False
+    if isinstance(recipe, Derived):
+        node = onnx.NodeProto.FromString(recipe.node)
+        if node.op_type == "Transpose":
+            perm = [list(a.ints) for a in node.attribute if a.name == "perm"]
+            if perm and perm[0] != [1, 0]:
+                return None
+            transpose, recipe = True, book.recipes.get(recipe.inputs[0])
+    first, rows = 0, None
+    if isinstance(recipe, Derived):
+        node = onnx.NodeProto.FromString(recipe.node)
+        attributes = {a.name: a for a in node.attribute}
+        if node.op_type != "Split" or attributes.get("axis", None) and attributes["axis"].i != 0:
+            return None
+        sizes = book.recipes.get(recipe.inputs[1]) if len(recipe.inputs) > 1 and recipe.inputs[1] else None
+        if not isinstance(sizes, Constant):
+            return None
+        sizes_list = [int(v) for v in np.asarray(sizes.value).reshape(-1)]
+        first, rows = sum(sizes_list[:recipe.output]), sizes_list[recipe.output]
+        recipe = book.recipes.get(recipe.inputs[0])
+    if not isinstance(recipe, Stored):
+        return None
+    return recipe, first, rows if rows is not None else -1, transpose
+
+
 def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
                 written: Callable[[int], None] | None = None, threads: int = WRITE_THREADS,
-                in_flight_bytes: int = IN_FLIGHT_BYTES) -> Path:
+                in_flight_bytes: int = IN_FLIGHT_BYTES, linker: Linker | None = None) -> Path:
     """Save `model` at `path`, every tensor over `INLINE_BYTES` in `path.name + '.data'`: virtual ones made from
     `book` and `tensors` in the dtype the graph declares for them, by `threads` threads while no more than
     `in_flight_bytes` are being made (at least one weight), and written in the graph's order. `written(bytes)`
-    after each."""
+    after each. With `linker`, the weights it can link are linked instead (listed beside the graph)."""
     import onnx
     from concurrent.futures import Future, ThreadPoolExecutor
 
+
     data_name = f"{path.name}.data"
+    links: list = []
     pending: deque[tuple[Any, Future | bytes, int]] = deque()  # (tensor, its values to come or its bytes, cost)
     in_flight = 0
 
@@ -336,7 +428,13 @@ def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
         try:
             for tensor in graph_tensors(model):
                 recipe = recipe_of(tensor)
-                if recipe is not None:
+                link = linker.link(tensor, recipe, book) if linker is not None and recipe is not None else None
+                if link is not None:
+                    del tensor.external_data[:]
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = "location", LINKED
+                    links.append(link)
+                elif recipe is not None:
                     cost = 8 * int(np.prod(tensor.dims, dtype=np.int64))
                     while pending and in_flight + cost > in_flight_bytes:
                         write_oldest(data)
@@ -353,6 +451,8 @@ def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
                 if isinstance(values, Future):
                     values.cancel()
     onnx.save(model, str(path))
+    if links:
+        write_links(path, links)
     return path
 
 

@@ -16,8 +16,10 @@ from .tokenizer import PromptTokenizer
 MANIFEST = "manifest.json"
 ARTIFACT_FORMAT = "systemone-onnx-artifact"
 ARTIFACT_VERSION = 2
-# Version 1 (every artifact has its portable graphs) loads as it is; version 2 may have none (`GraphEntry.file` "").
-READABLE_VERSIONS = (1, 2)
+# Version 1 (every artifact has its portable graphs) loads as it is; version 2 may have none (`GraphEntry.file` "");
+# version 3 links weights to the checkpoint's files (`Manifest.linked`), which a reader of 2 would not supply.
+LINKED_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class ArtifactError(ValueError):
@@ -86,9 +88,13 @@ class Manifest:
     exported_at: str = ""
     model: dict[str, Any] = field(default_factory=dict)
     forms: dict[str, FormEntry] = field(default_factory=dict)
+    # The checkpoint files the graphs' linked weights are read from (runtime/linked_weights.py), by their path in
+    # the artifact, with their sizes.
+    linked: dict[str, int] = field(default_factory=dict)
 
     COMMON = ("format", "format_version", "family", "source", "checkpoint", "max_model_len", "graphs", "parity",
-              "special_tokens", "tokenizer_class", "source_files", "opset", "versions", "exported_at", "forms")
+              "special_tokens", "tokenizer_class", "source_files", "opset", "versions", "exported_at", "forms",
+              "linked")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Manifest:
@@ -99,16 +105,31 @@ class Manifest:
                    source_files=raw.get("source_files", {}), opset=int(raw.get("opset", 18)),
                    versions=raw.get("versions", {}), exported_at=raw.get("exported_at", ""),
                    forms={name: FormEntry(**form) for name, form in raw.get("forms", {}).items()},
+                   linked={name: int(size) for name, size in raw.get("linked", {}).items()},
                    model={k: v for k, v in raw.items() if k not in cls.COMMON})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": ARTIFACT_FORMAT, "format_version": ARTIFACT_VERSION, "family": self.family,
+        version = LINKED_VERSION if self.linked else ARTIFACT_VERSION
+        return {"format": ARTIFACT_FORMAT, "format_version": version, "family": self.family,
                 "source": self.source, "checkpoint": self.checkpoint, "source_files": self.source_files,
                 "max_model_len": self.max_model_len, "opset": self.opset, **self.model,
                 "tokenizer_class": self.tokenizer_class, "special_tokens": self.special_tokens,
                 "graphs": {name: g.to_dict() for name, g in self.graphs.items()}, "parity": self.parity,
                 "forms": {name: form.to_dict() for name, form in self.forms.items()},
-                "versions": self.versions, "exported_at": self.exported_at}
+                "versions": self.versions, "exported_at": self.exported_at,
+                **({"linked": self.linked} if self.linked else {})}
+
+    def check_linked(self, root: Path) -> None:
+        """Every linked checkpoint file where the manifest says, at its size; `ArtifactError` naming the first that
+        is not."""
+        for name, size in self.linked.items():
+            path = root / name
+            if not path.is_file():
+                raise ArtifactError(f"{root}: its weights are linked to {name}, which is missing: export the "
+                                    "checkpoint again")
+            if path.stat().st_size != size:
+                raise ArtifactError(f"{root}: {name} is {path.stat().st_size} bytes, not the {size} it was linked "
+                                    "at (the checkpoint file was changed in place): export the checkpoint again")
 
     @classmethod
     def read(cls, root: Path) -> Manifest:
@@ -198,6 +219,7 @@ class Artifact:
     def load(cls, root: str | Path, families: FamilyRegistry = FAMILIES) -> Artifact:
         root = Path(root)
         manifest = Manifest.read(root)
+        manifest.check_linked(root)
         try:
             entry = families.get(manifest.family)
         except UnknownFamily as exc:

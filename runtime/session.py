@@ -14,6 +14,7 @@ import onnxruntime as ort
 from ..models.errors import DeviceMemoryExhausted
 from .cuda_graphs import RUNS_TO_CAPTURE, CaptureBuckets, CapturedRuns, uncaptured
 from .devices import CPU, DEVICES, ProviderUnavailable, device_of, pick_providers
+from .linked_weights import make_weights, read_links
 
 __all__ = ["DEVICES", "GraphSession", "ProviderUnavailable", "resolve_device", "resolve_providers"]
 CUDA = "CUDAExecutionProvider"
@@ -119,9 +120,18 @@ class GraphSession:
         # serving meets a new (rows, length, past) every few requests; glibc's heap kept 19-29 MB after 900 such
         # blocks on tiny d1 in some processes (none in others). Without, per-tensor allocations kept under 1 MB.
         options.enable_mem_pattern = False
-        return ort.InferenceSession(
+        # Weights linked to the checkpoint's files (runtime/linked_weights.py): made here and handed over by name.
+        # onnxruntime reads them from these arrays while the session lives, so the session keeps them.
+        links = read_links(Path(path))
+        linked = make_weights(links, Path(path).parent)
+        values = [ort.OrtValue.ortvalue_from_numpy(array) for array in linked]  # views of the arrays, no copies
+        if links:
+            options.add_external_initializers([link.name for link in links], values)
+        session = ort.InferenceSession(
             str(path), sess_options=options,
             providers=[(name, provider_options(name, gpu_memory, capture)) for name in providers])
+        session.linked_weights = (linked, values)
+        return session
 
     def capture_buckets(self, run: Callable[[int, int], object]) -> None:
         """Every bucket's CUDA graph captured now, in this thread, which alone replays them (runtime/cuda_graphs.py:

@@ -128,10 +128,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     forms = ["portable"] if args.portable_only else args.forms.split(",") if args.forms else None
     if args.add_forms:
         add_forms(args.source, args.out, revision=args.revision, forms=forms, gate_device=args.gate_device,
-                  jobs=args.jobs)
+                  jobs=args.jobs, weights=args.weights)
     else:
         export_checkpoint(args.source, args.out, revision=args.revision, atol=args.atol, prob_atol=args.prob_atol,
-                          overwrite=args.overwrite, forms=forms, gate_device=args.gate_device, jobs=args.jobs)
+                          overwrite=args.overwrite, forms=forms, gate_device=args.gate_device, jobs=args.jobs,
+                          weights=args.weights)
     return 0
 
 
@@ -535,6 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--jobs", type=_positive_int, default=1,
                         help="graphs traced at once, each in a worker process (a trace is one core for a minute or "
                              "more at the released sizes, and holds no weights)")
+    export.add_argument("--weights", default="copy", choices=["copy", "link"],
+                        help="copy: the artifact holds its weights in its own files; link: weights used as the "
+                             "checkpoint stores them (the form converts them when it loads) are read from the "
+                             "checkpoint's files, hard-linked into the artifact: no disk for a second copy "
+                             "(docs/artifact.md)")
     export.set_defaults(func=cmd_export)
 
     serve = sub.add_parser("serve", help="serve a model over HTTP: POST /v1/systemone, GET /v1/models, /health, "
