@@ -103,12 +103,15 @@ class RuntimeFiles:
 class HalfForm:
     """A half-precision form export writes beside the portable fp32 graphs (docs/decisions/cuda-form-ladder.md): the
     graphs it rewrites, each with the outputs that stay fp32 (the readout), and the questions its answer gate
-    compares: `answer_pairs(service)` runs them through `service` (the runtime on this form) and the torch model."""
+    compares: `runtime_answers(service)` runs them through `service` (the runtime on this form) and keeps what the
+    torch model needs of them (no session); `reference_pairs(answers)` then runs the torch model on the same prompts
+    and pairs the two. The runtime is let go in between, so the two never share the device."""
 
     name: str
     providers: tuple[str, ...]
     graphs: dict[str, tuple[str, ...]]
-    answer_pairs: Callable[[Any], list[Any]]
+    runtime_answers: Callable[[Any], Any]
+    reference_pairs: Callable[[Any], list[Any]]
     precision: Precision = FLOAT16
     tolerance: AnswerTolerance = AnswerTolerance()
     # Graphs the form exports itself (with fused onnxruntime ops) rather than rewriting the portable export's.
@@ -121,8 +124,8 @@ class HalfForm:
         return self.graph_precisions.get(graph, self.precision)
 
 
-def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any], list[Any]],
-               fused: dict[str, GraphSpec] | None = None,
+def cuda_forms(graphs: dict[str, tuple[str, ...]], runtime_answers: Callable[[Any], Any],
+               reference_pairs: Callable[[Any], list[Any]], fused: dict[str, GraphSpec] | None = None,
                graph_precisions: dict[str, Precision] | None = None) -> list[HalfForm]:
     """The CUDA forms, fastest first: export writes the first whose answers pass the gate (export/forms.py).
     With `fused` (graphs written with onnxruntime's fused contrib ops: no control flow) the fused graphs come first,
@@ -134,7 +137,7 @@ def cuda_forms(graphs: dict[str, tuple[str, ...]], answer_pairs: Callable[[Any],
               ("cuda-fused", FLOAT16_MATMULS, fused)] if fused else []
     ladder += [("cuda-fp16", FLOAT16, None), ("cuda-mixed", FLOAT16_MIXED, None),
                ("cuda-fp16-matmuls", FLOAT16_MATMULS, None)]
-    return [HalfForm(name, ("cuda",), graphs, answer_pairs, precision, sources=sources or {},
+    return [HalfForm(name, ("cuda",), graphs, runtime_answers, reference_pairs, precision, sources=sources or {},
                      graph_precisions=graph_precisions or {}) for name, precision, sources in ladder]
 
 
@@ -196,19 +199,34 @@ class ExportConfig(ABC):
         """Random token ids (the bench's batches) are drawn below this: ids every checkpoint of the family has."""
         return int(self.text_config.vocab_size)
 
+    # Layer-streamed reference (`streams_reference`): the fp32 layers on the device at once, as a share of its free
+    # memory; the whole model is streamed when its fp32 weights are over `WHOLE_REFERENCE_SHARE` of that memory.
+    STREAM_GROUP_SHARE = 0.25
+    WHOLE_REFERENCE_SHARE = 0.8
+    streams_reference = False  # whether the family can run its reference layer group by layer group
+    stream_bytes: int | None = None  # set while the reference is streamed: the layers' bytes on the device at once
+
     @contextmanager
     def reference_on(self, device: str) -> Iterator[None]:
         """The torch reference on `device` (cpu, cuda), in fp32 without TF32 (its 10-bit mantissa is not a
         reference) while the block runs; torch's TF32 settings are restored after it. On CUDA a reference not yet
-        loaded goes from the checkpoint's files to the device tensor by tensor, never whole in host memory."""
+        loaded goes from the checkpoint's files to the device tensor by tensor, never whole in host memory; where
+        its fp32 weights do not fit the device and the family `streams_reference`, it is not loaded whole at all:
+        `stream_bytes` says how many bytes of its layers the family's reference loads at once."""
         import torch
 
         saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        self.reference_device = device
         try:
-            if device == "cuda" and getattr(self, "_reference", None) is None:
-                self._reference = self.skeleton.materialize("cuda")
-            self.model.to("cuda" if device == "cuda" else "cpu")
+            if device == "cuda" and getattr(self, "_reference", None) is None and self.stream_bytes is None:
+                free = torch.cuda.mem_get_info()[0]
+                if self.streams_reference and 4 * self.skeleton.parameter_count() > self.WHOLE_REFERENCE_SHARE * free:
+                    self.stream_bytes = int(self.STREAM_GROUP_SHARE * free)
+                else:
+                    self._reference = self.skeleton.materialize("cuda")
+            if self.stream_bytes is None:
+                self.model.to("cuda" if device == "cuda" else "cpu")
             yield
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

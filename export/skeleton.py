@@ -64,14 +64,16 @@ class Skeleton:
             model = model_class._from_config(config, dtype=torch.float32, **kwargs).eval()
         return cls(model, checkpoint)
 
-    def materialize(self, device: str) -> Any:
-        """A copy of the model with its weights, in fp32 on `device`, loaded from the checkpoint tensor by tensor."""
+    def materialize(self, device: str, module: Any = None) -> Any:
+        """A copy of the model (or of `module`, one of its modules) with its weights, in fp32 on `device`, loaded
+        from the checkpoint tensor by tensor."""
         import copy
 
         import torch
 
-        recipes = {name: self.recipes[id(param)] for name, param in self.model.named_parameters(remove_duplicate=False)}
-        model = copy.deepcopy(self.model)
+        module = self.model if module is None else module
+        recipes = {name: self.recipes[id(param)] for name, param in module.named_parameters(remove_duplicate=False)}
+        model = copy.deepcopy(module)
         buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
         model.to_empty(device=device)
         with torch.no_grad():

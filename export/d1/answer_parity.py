@@ -87,12 +87,14 @@ def model_pixels(images: list[Lfm2Image]) -> dict[str, np.ndarray] | None:
             "spatial_shapes": np.array([c.grid for c in crops], np.int64)}
 
 
-def torch_reads(service: DecisionService, reference: Any, body: dict[str, Any]) -> dict[str, Any]:
-    """The torch model on each question's whole prompt, read as spec 3.7 reads."""
+def torch_inputs(service: DecisionService, body: dict[str, Any]) -> tuple[list[Any], dict[str, np.ndarray] | None]:
+    """The request's prompts (each question's whole prompt) and images as the torch model reads them."""
+    return service.render(body), torch_pixels(service, body)
 
-    prompts = service.render(body)
-    pixels = torch_pixels(service, body)
-    family, encode = service.family, service.artifact.tokenizer.encode
+
+def torch_reads(family: Any, encode: Any, reference: Any, prompts: list[Any],
+                pixels: dict[str, np.ndarray] | None) -> dict[str, Any]:
+    """The torch model on each question's whole prompt, read as spec 3.7 reads."""
     reads = {}
     for prompt in prompts:
         logprobs = reference.reference_logprobs(prompt.token_ids, pixels=pixels)
@@ -109,23 +111,41 @@ def onnx_reads(service: DecisionService, prepared: Prepared, reuse_prefix: bool 
             for q, labels, readout in zip(prepared.questions, prepared.labels, readouts)]
 
 
+def runtime_answers(service: DecisionService, requests: list[dict[str, Any]]) -> tuple[Any, Any, list[tuple]]:
+    """Each request's runtime reads (prefix reuse) with what the torch model needs to read it: nothing of the
+    runtime's sessions is kept."""
+    asked = []
+    for body in requests:
+        prompts, pixels = torch_inputs(service, body)
+        prepared = service.prepare(body)
+        asked.append((prompts, pixels, [(q.id, read.probs) for q, read in zip(prepared.questions,
+                                                                                onnx_reads(service, prepared))],
+                      bool(body.get("images"))))
+    return service.family, service.artifact.tokenizer.encode, asked
+
+
+def reference_pairs(answers: tuple[Any, Any, list[tuple]], reference: Any) -> list[QuestionPair]:
+    """Each question's runtime probabilities beside the torch model's on its whole prompt."""
+    family, encode, asked = answers
+    pairs = []
+    for prompts, pixels, got, images in asked:
+        want = torch_reads(family, encode, reference, prompts, pixels)
+        pairs += [QuestionPair(qid, probs, want[qid].probs, media=images) for qid, probs in got]
+    return pairs
+
+
 def question_pairs(service: DecisionService, reference: Any, requests: list[dict[str, Any]]) -> list[QuestionPair]:
     """Each question of `requests`: the runtime's probabilities (prefix reuse) and the torch model's."""
-    pairs = []
-    for body in requests:
-        want = torch_reads(service, reference, body)
-        prepared = service.prepare(body)
-        pairs += [QuestionPair(q.id, read.probs, want[q.id].probs, media=bool(body.get("images")))
-                  for q, read in zip(prepared.questions, onnx_reads(service, prepared))]
-    return pairs
+    return reference_pairs(runtime_answers(service, requests), reference)
 
 
 def compare(service: DecisionService, reference: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
     """ONNX (prefix reuse) vs torch (whole prompts): picks, max |dp|, max |d label_mass|, argmax_is_label."""
 
     count, with_images, worst_p, worst_mass, differing, argmax_differing, tops = 0, 0, 0.0, 0.0, [], [], []
+    family, encode = service.family, service.artifact.tokenizer.encode
     for body in requests:
-        want = torch_reads(service, reference, body)
+        want = torch_reads(family, encode, reference, *torch_inputs(service, body))
         prepared = service.prepare(body)
         got = onnx_reads(service, prepared)
         for question, read in zip(prepared.questions, got):

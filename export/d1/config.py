@@ -313,7 +313,7 @@ class D1ExportConfig(ExportConfig):
                 Gate("checking the vision graph against LFM2-VL's image features", vision, graph="vision")]
 
     def forms(self) -> list[HalfForm]:
-        from .answer_parity import parity_requests, question_pairs
+        from .answer_parity import parity_requests, reference_pairs, runtime_answers
 
         # The text graph at the rung's precision (its state in and out kept fp32); the vision graph with only its
         # matrix products in fp16 on every rung, as d3's (its norms, softmax and residual sums keep fp32's range),
@@ -322,7 +322,8 @@ class D1ExportConfig(ExportConfig):
         # has images, so the gate runs both.
         fused = dict(zip(("text", "vision"), self.graphs(fused=True)))
         return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
-                          lambda service: question_pairs(service, self, parity_requests(GATE_REQUESTS)),
+                          lambda service: runtime_answers(service, parity_requests(GATE_REQUESTS)),
+                          lambda answers: reference_pairs(answers, self),
                           fused=fused, graph_precisions={"vision": FLOAT16_MATMULS})
 
     def write_runtime_files(self, out: Path) -> RuntimeFiles:

@@ -6,11 +6,13 @@ images and short videos. Used by the half-precision forms' answer gate, the test
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ...models.family import Readout
+from ...models.family import Family, Readout
+from ...models.questions import Question
 from ...models.questions import first_argmax
 from ...runtime.engine import Prepared
 from ...runtime.service import DecisionService
@@ -76,18 +78,46 @@ def torch_media(prepared: Prepared) -> tuple[MediaInput | None, MediaInput | Non
     return of_kind("image"), of_kind("video")
 
 
-def torch_probabilities(service: DecisionService, reference: Any, prepared: Prepared) -> dict[str, list[float]]:
-    """The torch model on each question's own prompt (`service.prepare(body)`), with the request's media, read as
-    spec 4.13 reads."""
-    family = service.family
-    images, videos = torch_media(prepared)
-    probs = {}
-    for prompt in prepared.prompts:
-        logits = reference.reference_logits_with_media(prompt.token_ids, prompt.positions, images, videos)
-        labels = family.labels(prompt.question, None)
-        read = family.read(prompt.question, labels, Readout(dict(enumerate(logits.tolist()))))
-        probs[prompt.question.id] = list(read.probs)
-    return probs
+@dataclass(frozen=True)
+class AskedQuestion:
+    """One question of a prepared request as both models read it: its prompt and media (the runtime's own decoding
+    and preprocessing, the same in every form, so both read the same pixels and only the graphs differ) and the
+    runtime's probabilities."""
+
+    question: Question
+    token_ids: list[int]
+    positions: np.ndarray
+    images: MediaInput | None
+    videos: MediaInput | None
+    got: list[float]
+
+
+def runtime_answers(service: DecisionService, requests: list[dict]) -> tuple[Family, list[AskedQuestion]]:
+    """Every question of `requests` through the whole runtime (the vision graph once per media, then one padded
+    batch), with what the torch model needs to read it: nothing of the runtime's sessions is kept."""
+    asked = []
+    for body in requests:
+        prepared = service.prepare(body)
+        got = onnx_probabilities(service, prepared)
+        images, videos = torch_media(prepared)
+        asked += [AskedQuestion(prompt.question, list(prompt.token_ids), prompt.positions, images, videos,
+                                got[prompt.question.id]) for prompt in prepared.prompts]
+    return service.family, asked
+
+
+def reference_pairs(answers: tuple[Family, list[AskedQuestion]], reference: Any) -> list[QuestionPair]:
+    """Each asked question's runtime probabilities beside the torch model's on its own prompt and media, read as
+    spec 4.13 reads (`reference.reference_logits_many`: all prompts at once, so a reference too large for the
+    device can run them a layer group at a time)."""
+    family, asked = answers
+    logits = reference.reference_logits_many([(q.token_ids, q.positions, q.images, q.videos) for q in asked])
+    pairs = []
+    for question, row in zip(asked, logits):
+        labels = family.labels(question.question, None)
+        read = family.read(question.question, labels, Readout(dict(enumerate(row.tolist()))))
+        pairs.append(QuestionPair(question.question.id, question.got, list(read.probs),
+                                  media=question.images is not None or question.videos is not None))
+    return pairs
 
 
 def onnx_probabilities(service: DecisionService, prepared: Prepared) -> dict[str, list[float]]:
@@ -98,14 +128,7 @@ def onnx_probabilities(service: DecisionService, prepared: Prepared) -> dict[str
 def question_pairs(service: DecisionService, reference: Any, requests: list[dict]) -> list[QuestionPair]:
     """Each question of `requests`: the runtime's probabilities and the torch model's, on the same prompt and
     media."""
-    pairs = []
-    for body in requests:
-        prepared = service.prepare(body)
-        want = torch_probabilities(service, reference, prepared)
-        got = onnx_probabilities(service, prepared)
-        pairs += [QuestionPair(qid, got[qid], probs, media=prepared.media is not None)
-                  for qid, probs in want.items()]
-    return pairs
+    return reference_pairs(runtime_answers(service, requests), reference)
 
 
 def compare(service: DecisionService, reference: Any, requests: list[dict]) -> dict:

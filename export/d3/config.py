@@ -28,6 +28,7 @@ from ..parity import check_parity, sample_prompts, worst_vision_sample
 from .fused_ops import TRANSLATIONS
 from .qwen3_5_text import D3TextGraph, GatedDeltaNetLayer
 from .qwen3_5_vision import D3VisionBlock, D3VisionFront, D3VisionGraph
+from .streamed_reference import Prompt, streamed_logits
 
 TEXT_INPUTS = ["input_ids", "attention_mask", "position_ids", "media_embeds", "media_index"]
 TEXT_OUTPUTS = ["code_logits"]
@@ -177,6 +178,15 @@ class D3ExportConfig(ExportConfig):
                 inputs[f"pixel_values{name}"] = torch.from_numpy(media[0]).to(device, self.model.dtype)
                 inputs["image_grid_thw" if not name else "video_grid_thw"] = torch.tensor(media[1], device=device)
         return self._read_last_token(len(token_ids), positions, **inputs)
+
+    streams_reference = True
+
+    def reference_logits_many(self, prompts: list[Prompt]) -> list[np.ndarray]:
+        """`reference_logits_with_media` on each of `prompts`: prompt by prompt on the whole model, or, where the
+        reference is streamed (`stream_bytes`), every prompt through one layer group at a time."""
+        if self.stream_bytes is not None:
+            return streamed_logits(self, prompts, getattr(self, "reference_device", "cpu"), self.stream_bytes)
+        return [self.reference_logits_with_media(*prompt) for prompt in prompts]
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         # Three chunks of the delta rule and two distinct lengths, so no size is 0/1-specialised in the trace.
@@ -370,7 +380,7 @@ class D3ExportConfig(ExportConfig):
         return RANDOM_TOKEN_IDS
 
     def forms(self) -> list[HalfForm]:
-        from .answer_parity import parity_requests, question_pairs
+        from .answer_parity import parity_requests, reference_pairs, runtime_answers
 
         # Both graphs in half precision, each with its output in fp32: the text graph at the rung's precision (the
         # fused text graph runs the delta rule as onnxruntime's GatedDeltaNet node); the vision graph with only its
@@ -380,7 +390,8 @@ class D3ExportConfig(ExportConfig):
         fused = dict(zip(("text", "vision"), self.graphs(fused=True)))
         requests = parity_requests(GATE_REQUESTS, GATE_MEDIA_EVERY)
         return cuda_forms({"text": tuple(TEXT_OUTPUTS), "vision": tuple(VISION_OUTPUTS)},
-                          lambda service: question_pairs(service, self, requests),
+                          lambda service: runtime_answers(service, requests),
+                          lambda answers: reference_pairs(answers, self),
                           fused=fused, graph_precisions={"vision": FLOAT16_MATMULS})
 
     def write_runtime_files(self, staging: Path) -> RuntimeFiles:
