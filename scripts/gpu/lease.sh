@@ -25,6 +25,9 @@ sizes=${SIZES:-d3-nano d3-mini d1-3B d3-edge}
 mode=${D3_MODE:-noncausal_full_attention}
 work_of() { case $1 in d1*) echo ~/work/"$1--" ;; *) echo ~/work/"$1-$mode" ;; esac; }
 form_of() { case $1 in d1*) echo cuda-fused ;; *) echo cuda-fused-mixed ;; esac; }
+# d3 (27B): its 52 GB checkpoint and a copy of its weights do not fit the 64 GB disk together.
+weights_of() { case $1 in d3) echo link ;; *) echo "${WEIGHTS:-copy}" ;; esac; }
+init_device() { command -v nvidia-smi > /dev/null && echo cuda || echo cpu; }
 
 build() {  # SIZE: its checkpoint, in the background's first stage
   local size=$1 work
@@ -32,7 +35,8 @@ build() {  # SIZE: its checkpoint, in the background's first stage
   if [[ $size == d1* ]]; then  # d1-tiny: the tests' tiny d1
     python3 ~/repo/scripts/build_d1_checkpoint.py "$work/checkpoint" --size "${size/#d1-tiny/tiny}" > /dev/null
   else
-    python3 ~/repo/scripts/build_d3_checkpoint.py "$work/checkpoint" --size "$size" --attention-mode "$mode" > /dev/null
+    python3 ~/repo/scripts/build_d3_checkpoint.py "$work/checkpoint" --size "$size" --attention-mode "$mode" \
+      --device "$( [ "$size" = tiny ] && echo cpu || init_device)" > /dev/null
   fi
 }
 
@@ -56,7 +60,8 @@ export_one() {  # SIZE: exported with its CUDA form, timed alone
   sample ~/res/"sample_$size" & pid=$!
   t0=$(date +%s.%N)
   /usr/bin/time -v -o ~/res/"time_$size.txt" python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" \
-    --overwrite --gate-device "${GATE:-cuda}" --forms "$(form_of "$size")" --jobs "${JOBS:-4}" > ~/logs/"export_$size.log" 2>&1
+    --overwrite --gate-device "${GATE:-cuda}" --forms "$(form_of "$size")" --jobs "${JOBS:-4}" \
+    --weights "$(weights_of "$size")" > ~/logs/"export_$size.log" 2>&1
   local rc=$?
   kill $pid 2>/dev/null; wait $pid 2>/dev/null
   python3 - "$size" "$work" "$t0" "$gpu0" "$disk0" "$rc" <<'PY'
@@ -66,11 +71,13 @@ res = pathlib.Path.home() / "res"
 timing = (res / f"time_{size}.txt").read_text() if (res / f"time_{size}.txt").exists() else ""
 rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", timing)
 gpu, disk = map(int, (res / f"sample_{size}").read_text().split()) if (res / f"sample_{size}").exists() else (0, 0)
-size_of = lambda p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
+size_of = lambda p, linked=False: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()
+                                     and (f.relative_to(p).parts[0] == "linked") == linked) if p.exists() else 0
 row = {"size": size, "exit": rc, "export_s": round(time.time() - t0, 1),
        "peak_rss_gb": round(int(rss.group(1)) / 1e6, 2) if rss else None,
        "peak_gpu_mib": gpu - gpu0, "peak_disk_written_gb": round((disk - disk0) / 1e6, 2),
        "artifact_gb": round(size_of(work / "artifact") / 1e9, 2),
+       "linked_gb": round(size_of(work / "artifact", linked=True) / 1e9, 2),  # hard links: no disk of their own
        "checkpoint_bf16_gb": round(size_of(work / "checkpoint") / 1e9, 2)}
 manifest = work / "artifact" / "manifest.json"
 if manifest.exists():
@@ -124,7 +131,7 @@ start)
   rm -rf ~/repo && mkdir ~/repo && cp -a export runtime models server systemone scripts tests pyproject.toml ~/repo/
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; free -g | head -2; df -h ~ | tail -1
-  export -f chain build warm export_one sample work_of form_of && export sizes mode
+  export -f chain build warm export_one sample work_of form_of weights_of init_device && export sizes mode
   setsid nohup bash -c chain > ~/logs/chain.log 2>&1 < /dev/null &
   ;;
 gather)
@@ -173,7 +180,7 @@ drop)
   ;;
 more)
   sizes="$*" WARM=0  # the kernels are compiled by now
-  export -f chain build warm export_one sample work_of form_of && export sizes mode WARM
+  export -f chain build warm export_one sample work_of form_of weights_of init_device && export sizes mode WARM
   setsid nohup bash -c chain >> ~/logs/chain.log 2>&1 < /dev/null &
   sleep 1; tail -n 2 ~/logs/chain.log
   ;;

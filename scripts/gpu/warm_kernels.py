@@ -19,8 +19,8 @@ def main(checkpoint: str) -> None:
     config = D3ExportConfig(Path(checkpoint))
     with config.reference_on("cuda"):
         loaded = time.monotonic()
-        for length in (37, 300, 1000):
-            config.reference_logits_with_media(list(range(100, 100 + length)), text_positions(length))
+        config.reference_logits_many([(list(range(100, 100 + length)), text_positions(length), None, None)
+                                      for length in (37, 300, 1000)])
     print(f"loaded in {loaded - began:.1f} s, three prompts in {time.monotonic() - loaded:.1f} s")
 
 
