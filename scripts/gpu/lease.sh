@@ -24,7 +24,7 @@ GPU_ENV_DEFINE_ONLY=1 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"  # gpu_
 sizes=${SIZES:-d3-nano d3-mini d1-3B d3-edge}
 mode=${D3_MODE:-noncausal_full_attention}
 work_of() { case $1 in d1*) echo ~/work/"$1--" ;; *) echo ~/work/"$1-$mode" ;; esac; }
-form_of() { case $1 in d1*) echo cuda-fused ;; *) echo cuda-fused-mixed ;; esac; }
+form_of() { case $1 in d1*) echo cuda-fused ;; d3) echo cuda-fused-mixed,cuda-fused ;; *) echo cuda-fused-mixed ;; esac; }
 # d3 (27B): its 52 GB checkpoint and a copy of its weights do not fit the 64 GB disk together.
 weights_of() { case $1 in d3) echo link ;; *) echo "${WEIGHTS:-copy}" ;; esac; }
 init_device() { command -v nvidia-smi > /dev/null && echo cuda || echo cpu; }
