@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*", "*.model"]
@@ -39,12 +40,17 @@ def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
 
 
 def file_hashes(root: Path) -> dict[str, str]:
-    """sha256 of every file of the checkpoint, by relative path."""
-    hashes = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest = hashlib.sha256()
+    """sha256 of every file of the checkpoint, by relative path; the files hashed at once in threads (hashlib lets
+    go of the GIL: d3 (27B)'s eleven 5 GB shards took 53 s one after another on the GPU host)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def digest(path: Path) -> str:
+        hashed = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        hashes[str(path.relative_to(root))] = digest.hexdigest()
-    return hashes
+                hashed.update(block)
+        return hashed.hexdigest()
+
+    paths = sorted(p for p in root.rglob("*") if p.is_file())
+    with ThreadPoolExecutor(max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+        return {str(path.relative_to(root)): value for path, value in zip(paths, pool.map(digest, paths))}
