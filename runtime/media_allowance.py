@@ -29,6 +29,9 @@ class MediaBudget:
     server_download_bytes: int = 512 << 20
 
 
+MEDIA_WORKERS = 8  # threads of each of the media pool's two lanes (runtime/media_pool.py)
+
+
 @dataclass(frozen=True)
 class MediaLimits:
     """Most images and videos one request may carry (vLLM's --limit-mm-per-prompt)."""

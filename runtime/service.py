@@ -21,7 +21,7 @@ from .artifact import Artifact
 from .batch_sizing import BatchSizing, measure_batch_rows
 from .deadline import Deadline
 from .engine import Engine, EngineOptions, Prepared
-from .media_allowance import MediaBudget, MediaLimits
+from .media_allowance import MEDIA_WORKERS, MediaBudget, MediaLimits
 from .media_encoder import LoadedMedia
 from .media_pool import MediaPool
 from .prompt import RenderedPrompt
@@ -49,7 +49,7 @@ class DecisionService:
 
     def __init__(self, artifact: Artifact, options: EngineOptions | None = None,
                  served_model_names: list[str] | None = None, media_limits: MediaLimits | None = None,
-                 aliases: tuple[str, ...] = DEFAULT_ALIASES, media_workers: int = 8,
+                 aliases: tuple[str, ...] = DEFAULT_ALIASES, media_workers: int = MEDIA_WORKERS,
                  media_budget: MediaBudget | None = None, media_processes: int = 0):
         options = options or EngineOptions()
         if options.max_model_len and options.max_model_len > artifact.max_model_len:

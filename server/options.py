@@ -19,3 +19,12 @@ class ServerOptions:
     max_body_memory: int = 1 << 30  # what bodies may hold before admission (server/body_memory.py)
     max_batch_rows: int | None = None  # rows a text-graph call; None: measured at start-up (runtime/batch_sizing.py)
     batch_wait_ms: float = 1.0  # how long a call that could take more rows waits for them
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The connection guard's limits (server/connections.py), with serve's defaults."""
+
+    header_timeout_s: float = 10.0  # seconds a connection may take to send a request's headers
+    max_connections: int = 1024  # open connections (kept below the descriptor limit)
+    max_per_client: int = 0  # open connections from one client address; 0: no such cap

@@ -354,7 +354,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _runtime_options(parser: argparse.ArgumentParser) -> None:
-    from .runtime.media_allowance import MediaBudget, MediaLimits
+    from .runtime.media_allowance import MEDIA_WORKERS, MediaBudget, MediaLimits
     from .runtime.media_fetch import FetchPolicy
 
     # The runtime's defaults, written once where they are used.
@@ -410,7 +410,7 @@ def _runtime_options(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--no-media-proxy", action="store_true",
                        help="fetch media URLs directly even where http_proxy, https_proxy or all_proxy is set "
                             "(by default they are honoured, and no_proxy too)")
-    media.add_argument("--media-workers", type=int, default=8,
+    media.add_argument("--media-workers", type=int, default=MEDIA_WORKERS,
                        help="threads of each of the two media lanes (media fetched over the network; inline and "
                             "local media), shared by all requests")
     media.add_argument("--media-processes", type=int, default=None,
@@ -501,9 +501,9 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     from .loadgen import ALL_KINDS, DEFAULT_TIMEOUT_S, KINDS, PUBLISHED
     from .models.registry import FAMILIES
-    from .server.options import ServerOptions
+    from .server.options import ConnectionLimits, ServerOptions
 
-    served = ServerOptions()  # serve's defaults, written once
+    served, guard = ServerOptions(), ConnectionLimits()  # serve's defaults, written once
     formatter = _HelpFormatter
     parser = _Parser(prog="systemone", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=_TopHelpFormatter)
@@ -569,12 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bytes that request bodies may hold before admission: received bytes, then an upper "
                             "bound of what parsing each takes (413 for a body over it alone, 503 + Retry-After "
                             "while others hold it)")
-    serve.add_argument("--header-timeout", type=float, default=10.0,
+    serve.add_argument("--header-timeout", type=float, default=guard.header_timeout_s,
                        help="seconds a connection may take to send a request's headers (then it is closed)")
-    serve.add_argument("--max-connections", type=int, default=1024,
+    serve.add_argument("--max-connections", type=int, default=guard.max_connections,
                        help="open connections (kept below the descriptor limit); past it a new one displaces the one "
                             "waiting longest for its request's headers, or is closed if every one has a request")
-    serve.add_argument("--max-connections-per-client", type=_non_negative_int, default=0,
+    serve.add_argument("--max-connections-per-client", type=_non_negative_int, default=guard.max_per_client,
                        help="open connections from one client address; more are closed at once (0: no such cap; "
                             "behind a reverse proxy every connection has the proxy's address)")
     serve.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
