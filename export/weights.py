@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime.linked_weights import LINKED, LINKED_DIR, LinkedWeight, write_links
+from ..runtime.linked_weights import FP16_MAX, FP16_MIN_POSITIVE, LINKED, LINKED_DIR, LinkedWeight, write_links
 
 VIRTUAL = "<virtual>"  # an initializer's external-data location until `write_graph` gives it its values
 RECIPE_KEY = "recipe"
@@ -218,9 +218,6 @@ def graph_tensors(model) -> Iterator:
     yield from walk(model.graph)
 
 
-# fp16's smallest positive subnormal and largest finite value: what onnxruntime's float16 converter clamps a weight
-# into (0, inf and NaN kept), so that a weight is never rounded to zero or to infinity.
-FP16_MIN_POSITIVE, FP16_MAX = 5.96e-08, 65504.0
 _CHUNK = 1 << 26  # values converted at a time: a weight's temporaries stay a few hundred MB whatever its size
 # Weights made at once by `write_graph`'s threads, and the host memory they may hold together (each costs about
 # eight bytes a value while made: its fp32 values and their conversion); one is always made, whatever its size.
@@ -324,7 +321,7 @@ class Linker:
         file, stored = stored_recipe.file, self.tensors.stored(stored_recipe.file, stored_recipe.key)
         if stored.dtype not in _LINKABLE_DTYPES or not stored.shape:
             return None
-        shape = (stored.shape[0] if rows < 0 else rows, *stored.shape[1:])
+        shape = (stored.shape[0] if rows is None else rows, *stored.shape[1:])
         row_bytes = stored.length // stored.shape[0]
         if transpose and len(shape) != 2:
             return None
@@ -352,9 +349,9 @@ class Linker:
         self.files[name] = target.stat().st_size
 
 
-def _row_view(name: str, book: WeightBook) -> tuple[Stored, int, int, bool] | None:
-    """(stored tensor, first row, rows, transposed) where recipe `name` is such a view of one stored tensor: the
-    tensor, a piece of a Split along its first axis, either one transposed (2-D); None otherwise."""
+def _row_view(name: str, book: WeightBook) -> tuple[Stored, int, int | None, bool] | None:
+    """(stored tensor, first row, rows (None: all), transposed) where recipe `name` is such a view of one stored
+    tensor: the tensor, a piece of a Split along its first axis, either one transposed (2-D); None otherwise."""
     import onnx
 
     recipe = book.recipes.get(name)
@@ -380,7 +377,7 @@ def _row_view(name: str, book: WeightBook) -> tuple[Stored, int, int, bool] | No
         recipe = book.recipes.get(recipe.inputs[0])
     if not isinstance(recipe, Stored):
         return None
-    return recipe, first, rows if rows is not None else -1, transpose
+    return recipe, first, rows, transpose
 
 
 def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,

@@ -87,14 +87,19 @@ class GraphSession:
         self.buckets: CaptureBuckets | None = None
         self.capture_refused: str | None = None
         self.captured: CapturedRuns | None = None
+        # Weights linked to the checkpoint's files (runtime/linked_weights.py): made once, here, for whichever
+        # session opens. onnxruntime reads them from these arrays while the session lives, so this object keeps them.
+        links = read_links(Path(path))
+        self.linked_weights = make_weights(links, Path(path).parent)
+        linked = dict(zip((link.name for link in links), self.linked_weights))
         if capture is not None and providers[0] == CUDA:
             try:
-                self.session = self._open(path, providers, threads, gpu_memory, capture=True)
+                self.session = self._open(path, providers, threads, gpu_memory, linked, capture=True)
                 self.buckets, self.captured = capture, CapturedRuns(self.session)
             except Exception as exc:  # onnxruntime refuses capture at load: control flow, nodes off CUDA
                 self.capture_refused = str(exc).splitlines()[0][:300]
         if self.captured is None:
-            self.session = self._open(path, providers, threads, gpu_memory, capture=False)
+            self.session = self._open(path, providers, threads, gpu_memory, linked, capture=False)
         self.provider = self.session.get_providers()[0]
         if self.provider != providers[0]:
             raise ProviderUnavailable(f"onnxruntime could not start {providers[0]} for {Path(path).name} "
@@ -108,7 +113,7 @@ class GraphSession:
 
     @staticmethod
     def _open(path: str | Path, providers: list[str], threads: int | None, gpu_memory: int | None,
-              capture: bool) -> ort.InferenceSession:
+              linked: Mapping[str, np.ndarray], capture: bool) -> ort.InferenceSession:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -120,18 +125,12 @@ class GraphSession:
         # serving meets a new (rows, length, past) every few requests; glibc's heap kept 19-29 MB after 900 such
         # blocks on tiny d1 in some processes (none in others). Without, per-tensor allocations kept under 1 MB.
         options.enable_mem_pattern = False
-        # Weights linked to the checkpoint's files (runtime/linked_weights.py): made here and handed over by name.
-        # onnxruntime reads them from these arrays while the session lives, so the session keeps them.
-        links = read_links(Path(path))
-        linked = make_weights(links, Path(path).parent)
-        values = [ort.OrtValue.ortvalue_from_numpy(array) for array in linked]  # views of the arrays, no copies
-        if links:
-            options.add_external_initializers([link.name for link in links], values)
-        session = ort.InferenceSession(
+        if linked:  # handed over by name, as views of the arrays (no copies)
+            options.add_external_initializers(list(linked), [ort.OrtValue.ortvalue_from_numpy(array)
+                                                             for array in linked.values()])
+        return ort.InferenceSession(
             str(path), sess_options=options,
             providers=[(name, provider_options(name, gpu_memory, capture)) for name in providers])
-        session.linked_weights = (linked, values)
-        return session
 
     def capture_buckets(self, run: Callable[[int, int], object]) -> None:
         """Every bucket's CUDA graph captured now, in this thread, which alone replays them (runtime/cuda_graphs.py:

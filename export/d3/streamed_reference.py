@@ -71,12 +71,13 @@ def streamed_logits(config: Any, prompts: Sequence[Prompt], device: str, group_b
     norm = skeleton.materialize(device, text.norm)
     weight = config.readout("weight").to(device)
     bias = config.readout("bias")
+    bias = bias.to(device) if bias is not None else None
     out = []
     for states in hidden:
         last = norm(states)[0, -1].float()
         logits = last @ weight.t()
         if bias is not None:
-            logits = logits + bias.to(device)
+            logits = logits + bias
         out.append(logits.cpu().numpy())
     return out
 
