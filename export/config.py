@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .half_precision import FLOAT16, FLOAT16_MATMULS, FLOAT16_MIXED, Precision
+from .half_precision import FLOAT16, FLOAT16_MATMULS, FLOAT16_MIXED, FLOAT32_FP16_WEIGHTS, Precision
 from .skeleton import Skeleton
 from .weights import Recipe
 
@@ -132,13 +132,15 @@ def cuda_forms(graphs: dict[str, tuple[str, ...]], runtime_answers: Callable[[An
     then the portable graph rewritten. Each at three precisions, fastest first (half_precision.py): every node in
     fp16 (the decay and recurrence aside); autocast's mixed precision; fp16 matrix products on an fp32 residual
     stream, norms and elementwise ops, which rounds least. `graph_precisions` holds a graph at one precision on
-    every rung."""
+    every rung. Last, `cuda-fp32`: the portable graphs computing in fp32 from fp16 weights, every graph, the
+    slowest and exact (for a model whose fp16 rounding the gate refuses: d3 (27B) on random weights)."""
     ladder = [("cuda-fused-fp16", FLOAT16, fused), ("cuda-fused-mixed", FLOAT16_MIXED, fused),
               ("cuda-fused", FLOAT16_MATMULS, fused)] if fused else []
     ladder += [("cuda-fp16", FLOAT16, None), ("cuda-mixed", FLOAT16_MIXED, None),
                ("cuda-fp16-matmuls", FLOAT16_MATMULS, None)]
-    return [HalfForm(name, ("cuda",), graphs, runtime_answers, reference_pairs, precision, sources=sources or {},
-                     graph_precisions=graph_precisions or {}) for name, precision, sources in ladder]
+    forms = [HalfForm(name, ("cuda",), graphs, runtime_answers, reference_pairs, precision, sources=sources or {},
+                      graph_precisions=graph_precisions or {}) for name, precision, sources in ladder]
+    return [*forms, HalfForm("cuda-fp32", ("cuda",), graphs, runtime_answers, reference_pairs, FLOAT32_FP16_WEIGHTS)]
 
 
 class ExportConfig(ABC):

@@ -9,6 +9,9 @@
   their weights, softmax and whatever reads an fp32 value stay fp32.
 - `FLOAT16_MATMULS`: only the matrix products (and the embedding table's lookup) in fp16; norms, softmax, the
   residual stream and every other elementwise op stay fp32.
+- `FLOAT32_FP16_WEIGHTS`: every node in fp32; only the products' weights (and the embedding table) are stored in
+  fp16, each cast to fp32 as a run reaches it (`cast_weights_per_run`): half the memory of fp32 weights, and exact
+  for a bf16 checkpoint (fp16 holds every bf16 value in its normal range).
 
 At every precision the graph's inputs and outputs stay fp32 (the runtime and the state it carries), and so do the
 readout (d3's code logits, d1's LM head and log-softmax: every node from a declared output back to the first
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..runtime.artifact import WEIGHTS_CAST_PER_RUN
+
 # Kept fp32 wherever they appear: the decay's and the recurrence's ops, and what the converter itself keeps.
 # GatedDeltaNet (the fused form's delta rule) is written with its own casts: fp16 query/key/value, fp32 decay, beta
 # and state.
@@ -42,6 +47,7 @@ class Precision:
     name: str
     half_ops: frozenset[str] | None = None
     follow_ops: frozenset[str] = frozenset()
+    weights_only: bool = False  # fp32 nodes, fp16 weights at rest (`cast_weights_per_run`)
 
     def half_nodes(self, graph, blocked_ops: Collection[str]) -> set[str]:
         """Names of the nodes of `graph` (topologically ordered, as ONNX requires) this precision runs in fp16."""
@@ -95,6 +101,7 @@ _FOLLOWERS = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Sigmoid", "Tanh", "R
 FLOAT16_MIXED = Precision("float16-mixed", frozenset({"MatMul", "Gemm", "Gather", "CausalConvWithState",
                                                       "GatedRMSNorm"}), _FOLLOWERS)
 FLOAT16_MATMULS = Precision("float16-matmuls", frozenset({"MatMul", "Gemm", "Gather"}))
+FLOAT32_FP16_WEIGHTS = Precision(WEIGHTS_CAST_PER_RUN, weights_only=True)
 
 
 def rotary_angles(graph) -> set[str]:
@@ -259,6 +266,9 @@ def convert_to_half(model, fp32_outputs: Sequence[str], precision: Precision = F
             node.name = f"{node.name or node.op_type}_{node_index}"
         seen.add(node.name)
     keep = readout_tail(model.graph, fp32_outputs)
+    if precision.weights_only:
+        cast_weights_per_run(model.graph, keep)
+        return model
     blocked_ops = {*DEFAULT_OP_BLOCK_LIST, *FP32_OPS}
     weights = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     halved = precision.half_nodes(model.graph, blocked_ops) - rotary_angles(model.graph)
@@ -284,3 +294,77 @@ def convert_to_half(model, fp32_outputs: Sequence[str], precision: Precision = F
     for tensor in unused:
         half.graph.initializer.remove(tensor)
     return half
+
+
+# The ops whose weight operand is stored in fp16 at `FLOAT32_FP16_WEIGHTS`: a product's, or the embedding table's.
+_WEIGHT_READERS = {"MatMul": 1, "Gemm": 1, "Gather": 0}
+
+
+def cast_weights_per_run(graph, kept: Collection[str]) -> None:
+    """Store each product's weight (and the embedding table) in fp16 and cast it back to fp32 where it is read: a
+    product's weight just before the product, a table after the rows are gathered (a whole table in fp32 would be
+    gigabytes a run). Nodes in `kept` (the readout) keep their fp32 weights. Each weight halved is also declared a
+    graph input (an overridable initializer, which onnxruntime never folds): folded, the casts would make every
+    fp32 weight when the session opens, twice the memory. The graph stays topologically ordered."""
+    import onnx
+    import onnx.numpy_helper
+
+    float32, float16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+    weights = {t.name: t for t in graph.initializer if t.data_type == float32 and int(np.prod(t.dims)) > 1}
+    readers: dict[str, list[tuple[object, int | None]]] = {}  # weight -> (node, the input slot it is read at)
+    for node in graph.node:
+        slot = _WEIGHT_READERS.get(node.op_type)
+        for index, name in enumerate(node.input):
+            if name in weights:
+                readers.setdefault(name, []).append((node, index if index == slot else None))
+    in_subgraphs = {name for node in graph.node for attribute in node.attribute
+                    for sub in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs)
+                    for name in _names_read(sub)}
+    # Halved where only products (or lookups) read it, at their weight slot, none of them kept fp32 (nor a loop body).
+    halved = {name for name, read in readers.items() if name not in in_subgraphs
+              and all(slot is not None and node.name not in kept for node, slot in read)}
+    nodes = list(graph.node)
+    del graph.node[:]
+    cast_made: set[str] = set()
+    for node in nodes:
+        slot = _WEIGHT_READERS.get(node.op_type)
+        name = node.input[slot] if slot is not None and len(node.input) > slot else ""
+        if name not in halved:
+            graph.node.append(node)
+        elif node.op_type == "Gather":  # the rows in fp16, then cast
+            rows = f"{node.output[0]}_fp16"
+            gather = onnx.helper.make_node("Gather", [name, *node.input[1:]], [rows], f"{node.name}_fp16")
+            gather.attribute.extend(node.attribute)
+            graph.node.append(gather)
+            graph.node.append(onnx.helper.make_node("Cast", [rows], list(node.output), node.name, to=float32))
+        else:
+            cast = f"{name}_fp32"
+            if cast not in cast_made:
+                graph.node.append(onnx.helper.make_node("Cast", [name], [cast], f"{name}_cast", to=float32))
+                cast_made.add(cast)
+            inputs = list(node.input)
+            inputs[slot] = cast
+            del node.input[:]
+            node.input.extend(inputs)
+            graph.node.append(node)
+    for name in sorted(halved):
+        tensor = weights[name]
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # virtual (export/weights.py): written in fp16
+            tensor.data_type = float16
+        else:
+            half = onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor).astype(np.float16), name)
+            tensor.CopyFrom(half)
+        graph.input.append(onnx.helper.make_tensor_value_info(name, float16, list(weights[name].dims)))
+
+
+def _names_read(graph) -> set[str]:
+    """Every value name the nodes of `graph` and of its subgraphs read."""
+    import onnx
+
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                names |= _names_read(sub)
+    return names

@@ -67,6 +67,9 @@ class FormEntry:
 
 
 PORTABLE = "portable"  # the fp32 graphs every provider runs (manifest `graphs`)
+# The precision of a form's graph that computes in fp32 from fp16 weights, each cast as a run reaches it
+# (export/half_precision.py): its session must run the nodes in the graph's order (GraphSession).
+WEIGHTS_CAST_PER_RUN = "float32-fp16-weights"
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,11 @@ class Artifact:
             raise ArtifactError(f"artifact {self.root} has no portable {name!r} graph (it was exported with "
                                 f"{', '.join(self.written_forms()) or 'no form'} only)")
         return self.root / file
+
+    def casts_weights_per_run(self, name: str) -> bool:
+        """Whether graph `name` of the form read casts its fp16 weights to fp32 as a run reaches them."""
+        return self.form != PORTABLE and \
+            self.manifest.forms[self.form].precisions.get(name) == WEIGHTS_CAST_PER_RUN
 
     @property
     def has_portable(self) -> bool:

@@ -18,6 +18,8 @@ from .linked_weights import make_weights, read_links
 
 __all__ = ["DEVICES", "GraphSession", "ProviderUnavailable", "resolve_device", "resolve_providers"]
 CUDA = "CUDAExecutionProvider"
+# Linked weights go to the GPU as they are made rather than staying in host memory while the session lives.
+LINKED_ON_DEVICE = True
 
 
 def resolve_providers(device: str) -> list[str]:
@@ -78,7 +80,7 @@ class GraphSession:
     (runtime/cuda_graphs.py) where onnxruntime can capture the graph (`capture_refused` says why not)."""
 
     def __init__(self, path: str | Path, device: str = "auto", threads: int | None = None,
-                 gpu_memory: int | None = None, capture: CaptureBuckets | None = None):
+                 gpu_memory: int | None = None, capture: CaptureBuckets | None = None, in_graph_order: bool = False):
         providers = resolve_providers(device)
         if providers[0] != CPU and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
@@ -88,18 +90,24 @@ class GraphSession:
         self.capture_refused: str | None = None
         self.captured: CapturedRuns | None = None
         # Weights linked to the checkpoint's files (runtime/linked_weights.py): made once, here, for whichever
-        # session opens. onnxruntime reads them from these arrays while the session lives, so this object keeps them.
+        # session opens, each put on the session's device as it is made (host memory holds a few at a time):
+        # onnxruntime uses a value already on the planned device in place, and reads it while the session lives,
+        # so this object keeps them.
         links = read_links(Path(path))
-        self.linked_weights = make_weights(links, Path(path).parent)
+        on_gpu = providers[0] == CUDA and LINKED_ON_DEVICE
+        self.linked_weights = make_weights(links, Path(path).parent, place=(
+            (lambda array: ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0)) if on_gpu
+            else ort.OrtValue.ortvalue_from_numpy))
         linked = dict(zip((link.name for link in links), self.linked_weights))
+        order = dict(linked=linked, in_graph_order=in_graph_order)
         if capture is not None and providers[0] == CUDA:
             try:
-                self.session = self._open(path, providers, threads, gpu_memory, linked, capture=True)
+                self.session = self._open(path, providers, threads, gpu_memory, capture=True, **order)
                 self.buckets, self.captured = capture, CapturedRuns(self.session)
             except Exception as exc:  # onnxruntime refuses capture at load: control flow, nodes off CUDA
                 self.capture_refused = str(exc).splitlines()[0][:300]
         if self.captured is None:
-            self.session = self._open(path, providers, threads, gpu_memory, linked, capture=False)
+            self.session = self._open(path, providers, threads, gpu_memory, capture=False, **order)
         self.provider = self.session.get_providers()[0]
         if self.provider != providers[0]:
             raise ProviderUnavailable(f"onnxruntime could not start {providers[0]} for {Path(path).name} "
@@ -113,9 +121,15 @@ class GraphSession:
 
     @staticmethod
     def _open(path: str | Path, providers: list[str], threads: int | None, gpu_memory: int | None,
-              linked: Mapping[str, np.ndarray], capture: bool) -> ort.InferenceSession:
+              linked: Mapping[str, ort.OrtValue], capture: bool, in_graph_order: bool) -> ort.InferenceSession:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if in_graph_order:
+            # A graph that casts each weight as a run reaches it (export/half_precision.py) must run in its own
+            # order: onnxruntime's default order runs every cast first, every fp32 weight alive at once. Its
+            # weights are overridable initializers, which onnxruntime warns about one by one: errors only.
+            options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+            options.log_severity_level = 3
         if threads:
             options.intra_op_num_threads = threads
         # Without the CPU arena a run's memory goes back when it ends: with it, each new prompt length grew the
@@ -125,9 +139,8 @@ class GraphSession:
         # serving meets a new (rows, length, past) every few requests; glibc's heap kept 19-29 MB after 900 such
         # blocks on tiny d1 in some processes (none in others). Without, per-tensor allocations kept under 1 MB.
         options.enable_mem_pattern = False
-        if linked:  # handed over by name, as views of the arrays (no copies)
-            options.add_external_initializers(list(linked), [ort.OrtValue.ortvalue_from_numpy(array)
-                                                             for array in linked.values()])
+        if linked:  # handed over by name (host values as views of their arrays: no copies)
+            options.add_external_initializers(list(linked), list(linked.values()))
         return ort.InferenceSession(
             str(path), sess_options=options,
             providers=[(name, provider_options(name, gpu_memory, capture)) for name in providers])

@@ -71,13 +71,15 @@ class D1Engine(Engine):
         self.max_model_len = options.max_model_len or artifact.max_model_len
         # Whole prompts from an empty state (one-question requests' rows) replay CUDA graphs where the form allows.
         self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
-                                    options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
+                                    options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None,
+                                    in_graph_order=artifact.casts_weights_per_run("text"))
         layout = StateLayout.from_manifest(fields)
         self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads, options.slice_s)
         self.prefix_reuse = options.prefix_reuse
         self.runner = D1TextRunner(self.session, layout, self.budget)
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
-                                           options.gpu_memory)
+                                           options.gpu_memory,
+                                           in_graph_order=artifact.casts_weights_per_run("vision"))
         vision = fields["vision"]
         self.media = D1ImageEncoder(self.vision_session, Lfm2ImageConfig.from_processor_config(vision),
                                     np.load(artifact.root / vision["positions_file"]), options.fetch_policy)

@@ -58,14 +58,16 @@ class D3Engine(Engine):
         self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads,
                                   options.slice_s)
         self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
-                                    options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None)
+                                    options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None,
+                                    in_graph_order=artifact.casts_weights_per_run("text"))
         # None for a bidirectional artifact, or a causal one exported before prefix reuse: whole prompts only.
         self.layout = D3StateLayout.from_manifest(fields)
         self.reads_prefixes = self.layout is not None
         self.prefix_reuse = options.prefix_reuse
         self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]), self.layout)
         self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
-                                           options.gpu_memory)
+                                           options.gpu_memory,
+                                           in_graph_order=artifact.casts_weights_per_run("vision"))
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
         self.max_chars_per_token = artifact.tokenizer.max_token_chars()
 

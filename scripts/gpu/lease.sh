@@ -24,7 +24,10 @@ GPU_ENV_DEFINE_ONLY=1 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"  # gpu_
 sizes=${SIZES:-d3-nano d3-mini d1-3B d3-edge}
 mode=${D3_MODE:-noncausal_full_attention}
 work_of() { case $1 in d1*) echo ~/work/"$1--" ;; *) echo ~/work/"$1-$mode" ;; esac; }
-form_of() { case $1 in d1*) echo cuda-fused ;; d3) echo cuda-fused-mixed,cuda-fused ;; *) echo cuda-fused-mixed ;; esac; }
+# d3 (27B): the fp16 rungs' rounding fails the gate on random weights (2026-12-06), so the exact rung; FORMS_<size>
+# (dashes as underscores) overrides.
+form_of() { local o="FORMS_${1//-/_}"; [ -n "${!o:-}" ] && { echo "${!o}"; return; }
+  case $1 in d1*) echo cuda-fused ;; d3) echo cuda-fp32 ;; *) echo cuda-fused-mixed ;; esac; }
 # d3 (27B): its 52 GB checkpoint and a copy of its weights do not fit the 64 GB disk together.
 weights_of() { case $1 in d3) echo link ;; *) echo "${WEIGHTS:-copy}" ;; esac; }
 init_device() { command -v nvidia-smi > /dev/null && echo cuda || echo cpu; }
@@ -59,7 +62,11 @@ export_one() {  # SIZE: exported with its CUDA form, timed alone
   disk0=$(df -k --output=used ~ | tail -1)
   sample ~/res/"sample_$size" & pid=$!
   t0=$(date +%s.%N)
-  /usr/bin/time -v -o ~/res/"time_$size.txt" python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" \
+  # Linked weights stay in host memory where the placement probe saw onnxruntime copy device values (PLACEMENT).
+  local cli=(-m systemone.cli)
+  [ -f ~/res/linked_on_host ] && cli=(-c "import sys; import systemone.runtime.session as s; s.LINKED_ON_DEVICE = False
+from systemone.cli import main; sys.exit(main(sys.argv[1:]))")
+  /usr/bin/time -v -o ~/res/"time_$size.txt" python3 "${cli[@]}" export "$work/checkpoint" --out "$work/artifact" \
     --overwrite --gate-device "${GATE:-cuda}" --forms "$(form_of "$size")" --jobs "${JOBS:-4}" \
     --weights "$(weights_of "$size")" > ~/logs/"export_$size.log" 2>&1
   local rc=$?
@@ -87,6 +94,15 @@ with open(res / "exports.jsonl", "a") as f:
     f.write(json.dumps(row) + "\n")
 print(json.dumps(row))
 PY
+  if [ "${PLACEMENT:-}" = "$size" ] && [ $rc = 0 ]; then  # linked weights on the GPU in place, or copied?
+    python3 ~/repo/scripts/gpu/linked_placement.py "$work/artifact" "$(form_of "$size" | cut -d, -f1)" \
+      | tee ~/res/placement.jsonl
+    python3 - <<'PY' || touch ~/res/linked_on_host
+import json, pathlib
+rows = {r["linked_on_device"]: r for r in map(json.loads, (pathlib.Path.home() / "res/placement.jsonl").read_text().split("\n")[:-1])}
+assert rows[True]["gpu_mib"] <= rows[False]["gpu_mib"] * 1.2, "device values copied"
+PY
+  fi
   [ $rc = 0 ] && touch "$work.done" || touch "$work.failed"
 }
 
