@@ -99,7 +99,7 @@ class GraphSession:
             (lambda array: ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0)) if on_gpu
             else ort.OrtValue.ortvalue_from_numpy))
         linked = dict(zip((link.name for link in links), self.linked_weights))
-        order = dict(linked=linked, in_graph_order=in_graph_order)
+        order = {"linked": linked, "in_graph_order": in_graph_order}
         if capture is not None and providers[0] == CUDA:
             try:
                 self.session = self._open(path, providers, threads, gpu_memory, capture=True, **order)
