@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
-
-T = TypeVar("T")
 
 LINKED = "<linked>"  # the external-data location of a linked initializer: never a file onnxruntime opens
 LINKS_SUFFIX = ".links.json"  # beside a graph file: its linked initializers
@@ -128,11 +125,9 @@ def make_weight(link: LinkedWeight, root: Path) -> np.ndarray:
     return np.ascontiguousarray(out.T) if link.transpose else out
 
 
-def make_weights(links: Sequence[LinkedWeight], root: Path, threads: int | None = None,
-                 place: Callable[[np.ndarray], T] = lambda array: array) -> list[T]:
-    """Every linked weight's values (`make_weight`), several at once (numpy lets go of the GIL in its loops), each
-    handed to `place` as soon as it is made (a copy to the GPU lets its host array go)."""
+def make_weights(links: Sequence[LinkedWeight], root: Path, threads: int | None = None) -> list[np.ndarray]:
+    """Every linked weight's values (`make_weight`), several at once: numpy lets go of the GIL in its loops."""
     if not links:
         return []
     with ThreadPoolExecutor(max(1, threads or min(16, os.cpu_count() or 1))) as pool:
-        return list(pool.map(lambda link: place(make_weight(link, root)), links))
+        return list(pool.map(lambda link: make_weight(link, root), links))

@@ -18,8 +18,6 @@ from .linked_weights import make_weights, read_links
 
 __all__ = ["DEVICES", "GraphSession", "ProviderUnavailable", "resolve_device", "resolve_providers"]
 CUDA = "CUDAExecutionProvider"
-# Linked weights go to the GPU as they are made rather than staying in host memory while the session lives.
-LINKED_ON_DEVICE = True
 
 
 def resolve_providers(device: str) -> list[str]:
@@ -90,14 +88,10 @@ class GraphSession:
         self.capture_refused: str | None = None
         self.captured: CapturedRuns | None = None
         # Weights linked to the checkpoint's files (runtime/linked_weights.py): made once, here, for whichever
-        # session opens, each put on the session's device as it is made (host memory holds a few at a time):
-        # onnxruntime uses a value already on the planned device in place, and reads it while the session lives,
-        # so this object keeps them.
+        # session opens. onnxruntime reads them from these arrays while the session lives, so this object keeps them
+        # (its Python binding takes only host buffers the caller owns, not values put on the GPU).
         links = read_links(Path(path))
-        on_gpu = providers[0] == CUDA and LINKED_ON_DEVICE
-        self.linked_weights = make_weights(links, Path(path).parent, place=(
-            (lambda array: ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0)) if on_gpu
-            else ort.OrtValue.ortvalue_from_numpy))
+        self.linked_weights = make_weights(links, Path(path).parent)
         linked = dict(zip((link.name for link in links), self.linked_weights))
         order = {"linked": linked, "in_graph_order": in_graph_order}
         if capture is not None and providers[0] == CUDA:
@@ -121,14 +115,17 @@ class GraphSession:
 
     @staticmethod
     def _open(path: str | Path, providers: list[str], threads: int | None, gpu_memory: int | None,
-              linked: Mapping[str, ort.OrtValue], capture: bool, in_graph_order: bool) -> ort.InferenceSession:
+              linked: Mapping[str, np.ndarray], capture: bool, in_graph_order: bool) -> ort.InferenceSession:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if in_graph_order:
             # A graph that casts each weight as a run reaches it (export/half_precision.py) must run in its own
-            # order: onnxruntime's default order runs every cast first, every fp32 weight alive at once. Its
-            # weights are overridable initializers, which onnxruntime warns about one by one: errors only.
+            # order: onnxruntime's default order runs every cast first, every fp32 weight alive at once. Priority
+            # order follows node indices, and the optimizer's rewritten nodes take new ones (d3 (27B) still ran out
+            # of memory in a cast 20 layers ahead): no rewrites (docs/decisions/cuda-form-ladder.md). Its weights are
+            # overridable initializers, which onnxruntime warns about one by one: errors only.
             options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             options.log_severity_level = 3
         if threads:
             options.intra_op_num_threads = threads
@@ -139,8 +136,9 @@ class GraphSession:
         # serving meets a new (rows, length, past) every few requests; glibc's heap kept 19-29 MB after 900 such
         # blocks on tiny d1 in some processes (none in others). Without, per-tensor allocations kept under 1 MB.
         options.enable_mem_pattern = False
-        if linked:  # handed over by name (host values as views of their arrays: no copies)
-            options.add_external_initializers(list(linked), list(linked.values()))
+        if linked:  # handed over by name, as views of the arrays (no copies)
+            options.add_external_initializers(list(linked), [ort.OrtValue.ortvalue_from_numpy(array)
+                                                             for array in linked.values()])
         return ort.InferenceSession(
             str(path), sess_options=options,
             providers=[(name, provider_options(name, gpu_memory, capture)) for name in providers])

@@ -62,11 +62,7 @@ export_one() {  # SIZE: exported with its CUDA form, timed alone
   disk0=$(df -k --output=used ~ | tail -1)
   sample ~/res/"sample_$size" & pid=$!
   t0=$(date +%s.%N)
-  # Linked weights stay in host memory where the placement probe saw onnxruntime copy device values (PLACEMENT).
-  local cli=(-m systemone.cli)
-  [ -f ~/res/linked_on_host ] && cli=(-c "import sys; import systemone.runtime.session as s; s.LINKED_ON_DEVICE = False
-from systemone.cli import main; sys.exit(main(sys.argv[1:]))")
-  /usr/bin/time -v -o ~/res/"time_$size.txt" python3 "${cli[@]}" export "$work/checkpoint" --out "$work/artifact" \
+  /usr/bin/time -v -o ~/res/"time_$size.txt" python3 -m systemone.cli export "$work/checkpoint" --out "$work/artifact" \
     --overwrite --gate-device "${GATE:-cuda}" --forms "$(form_of "$size")" --jobs "${JOBS:-4}" \
     --weights "$(weights_of "$size")" > ~/logs/"export_$size.log" 2>&1
   local rc=$?
@@ -94,15 +90,6 @@ with open(res / "exports.jsonl", "a") as f:
     f.write(json.dumps(row) + "\n")
 print(json.dumps(row))
 PY
-  if [ "${PLACEMENT:-}" = "$size" ] && [ $rc = 0 ]; then  # linked weights on the GPU in place, or copied?
-    python3 ~/repo/scripts/gpu/linked_placement.py "$work/artifact" "$(form_of "$size" | cut -d, -f1)" \
-      | tee ~/res/placement.jsonl
-    python3 - <<'PY' || touch ~/res/linked_on_host
-import json, pathlib
-rows = {r["linked_on_device"]: r for r in map(json.loads, (pathlib.Path.home() / "res/placement.jsonl").read_text().split("\n")[:-1])}
-assert rows[True]["gpu_mib"] <= rows[False]["gpu_mib"] * 1.2, "device values copied"
-PY
-  fi
   [ $rc = 0 ] && touch "$work.done" || touch "$work.failed"
 }
 
