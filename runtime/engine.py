@@ -24,6 +24,7 @@ from ..models.questions import Question
 from ..models.request import DecisionRequest
 from .artifact import Artifact
 from .batch import MAX_BATCH_TOKENS, BatchBudget, CallCost, TextRow
+from .cuda_graphs import CaptureBuckets
 from .media_encoder import LoadedMedia, MediaEncoder
 from .media_fetch import FetchPolicy
 from .prompt import RenderedPrompt
@@ -59,6 +60,14 @@ class Prepared:
     prompts: list[RenderedPrompt]
     labels: list[Labels]
     media: Any = None
+
+
+def open_graph(artifact: Artifact, name: str, options: EngineOptions, capture: bool = False) -> GraphSession:
+    """Graph `name` of the artifact's form on `options.device`; with `capture`, its small runs as CUDA graphs where
+    `options.cuda_graphs` and the form allow."""
+    return GraphSession(artifact.graph_path(name), options.device, options.threads, options.gpu_memory,
+                        CaptureBuckets() if capture and options.cuda_graphs else None,
+                        in_graph_order=artifact.casts_weights_per_run(name))
 
 
 class Engine(ABC):

@@ -22,11 +22,9 @@ from ...models.questions import QUESTION_TYPES, Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
 from ..batch import UNMEASURED_COST, BatchBudget, CallCost, TextRow, drive
-from ..cuda_graphs import CaptureBuckets
-from ..engine import Engine, EngineOptions, Prepared
+from ..engine import Engine, EngineOptions, Prepared, open_graph
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
-from ..session import GraphSession
 from ..tokenizer import shared_prefix
 from .image_processor import Lfm2Image, Lfm2ImageConfig, placeholder_text
 from .images import D1ImageEncoder, expand_images, media_rows
@@ -70,16 +68,12 @@ class D1Engine(Engine):
         # The graph reads a prefix chunk by chunk and its KV cache grows linearly: the context is the model's.
         self.max_model_len = options.max_model_len or artifact.max_model_len
         # Whole prompts from an empty state (one-question requests' rows) replay CUDA graphs where the form allows.
-        self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
-                                    options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None,
-                                    in_graph_order=artifact.casts_weights_per_run("text"))
+        self.session = open_graph(artifact, "text", options, capture=True)
         layout = StateLayout.from_manifest(fields)
         self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads, options.slice_s)
         self.prefix_reuse = options.prefix_reuse
         self.runner = D1TextRunner(self.session, layout, self.budget)
-        self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
-                                           options.gpu_memory,
-                                           in_graph_order=artifact.casts_weights_per_run("vision"))
+        self.vision_session = open_graph(artifact, "vision", options)
         vision = fields["vision"]
         self.media = D1ImageEncoder(self.vision_session, Lfm2ImageConfig.from_processor_config(vision),
                                     np.load(artifact.root / vision["positions_file"]), options.fetch_policy)

@@ -19,11 +19,9 @@ from ...models.questions import Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
 from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, TextRow, drive
-from ..cuda_graphs import CaptureBuckets
-from ..engine import Engine, EngineOptions, Prepared
+from ..engine import Engine, EngineOptions, Prepared, open_graph
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
-from ..session import GraphSession
 from ..tokenizer import shared_prefix
 from .code_logits import CodeLogitsRunner, text_positions
 from .media import D3MediaEncoder, Preprocessed
@@ -57,17 +55,13 @@ class D3Engine(Engine):
         self.max_model_len = min(options.max_model_len or artifact.max_model_len, longest)
         self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads,
                                   options.slice_s)
-        self.session = GraphSession(artifact.graph_path("text"), options.device, options.threads,
-                                    options.gpu_memory, CaptureBuckets() if options.cuda_graphs else None,
-                                    in_graph_order=artifact.casts_weights_per_run("text"))
+        self.session = open_graph(artifact, "text", options, capture=True)
         # None for a bidirectional artifact, or a causal one exported before prefix reuse: whole prompts only.
         self.layout = D3StateLayout.from_manifest(fields)
         self.reads_prefixes = self.layout is not None
         self.prefix_reuse = options.prefix_reuse
         self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]), self.layout)
-        self.vision_session = GraphSession(artifact.graph_path("vision"), options.device, options.threads,
-                                           options.gpu_memory,
-                                           in_graph_order=artifact.casts_weights_per_run("vision"))
+        self.vision_session = open_graph(artifact, "vision", options)
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
         self.max_chars_per_token = artifact.tokenizer.max_token_chars()
 
