@@ -309,11 +309,14 @@ class Linker:
         self.root, self.tensors, self.min_bytes, self.say = Path(root), tensors, min_bytes, say
         self.files: dict[str, int] = {}
 
-    def link(self, tensor, recipe: str, book: WeightBook):
-        """The `LinkedWeight` for virtual `tensor` (recipe `recipe`), or None where it is not linkable."""
+    def link(self, tensor, recipe: str, book: WeightBook, as_stored: bool = False):
+        """The `LinkedWeight` for virtual `tensor` (recipe `recipe`), or None where it is not linkable. With
+        `as_stored`, whatever the graph's dtype (the graph will read the rows in the checkpoint's dtype and
+        orientation: `read_as_stored`)."""
         import onnx
 
         dtype = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.FLOAT: "float32"}.get(tensor.data_type)
+        dtype = dtype or ("float32" if as_stored else None)
         view = _row_view(recipe, book)
         if dtype is None or view is None:
             return None
@@ -380,6 +383,76 @@ def _row_view(name: str, book: WeightBook) -> tuple[Stored, int, int | None, boo
     return recipe, first, rows, transpose
 
 
+_ONNX_OF_STORED = {"BF16": 16, "F16": 10, "F32": 1}  # safetensors' dtype -> onnx.TensorProto's
+
+
+def cast_readers(graph) -> dict[str, list]:
+    """The weights onnxruntime may read as the checkpoint stores them: overridable initializers (graph inputs, so
+    nothing folds what reads them) that only a Cast to fp32 reads, directly or through a Gather whose rows only such
+    a Cast reads (export/half_precision.py, `cast_weights_per_run`); by name, the Cast and Gather nodes that read
+    each."""
+    import onnx
+
+    inputs = {v.name for v in graph.input}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def to_fp32(node) -> bool:
+        return node.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT for a in node.attribute)
+
+    found = {}
+    for tensor in graph.initializer:
+        readers = consumers.get(tensor.name, [])
+        if tensor.name in inputs and readers and all(
+                to_fp32(node) or (node.op_type == "Gather" and node.input[0] == tensor.name
+                                  and all(to_fp32(c) for c in consumers.get(node.output[0], [])))
+                for node in readers):
+            found[tensor.name] = readers
+    return found
+
+
+def read_as_stored(graph, tensor, link: LinkedWeight, readers: list) -> bool:
+    """Declare `tensor` as the rows `link` names, in the checkpoint's dtype and orientation, as ONNX external data
+    in the hard-linked file (onnxruntime reads it when the session opens, a tensor at a time), and transpose after
+    its Cast where `link` is transposed: a product reading it becomes a FusedMatMul with `transB`, anything else
+    reads a Transpose. False (nothing changed) where a Gather reads it transposed."""
+    import onnx
+
+    if link.transpose and any(node.op_type == "Gather" for node in readers):
+        return False
+    tensor.data_type = _ONNX_OF_STORED[link.stored]
+    del tensor.dims[:]
+    tensor.dims.extend(link.shape)
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", link.file), ("offset", str(link.offset)), ("length", str(link.nbytes))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    declared = next(v for v in graph.input if v.name == tensor.name)
+    declared.CopyFrom(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(link.shape)))
+    if not link.transpose:
+        return True
+    for cast in readers:
+        rows_first = cast.output[0]
+        products = [node for node in graph.node if rows_first in node.input]
+        if all(node.op_type == "MatMul" and list(node.input).index(rows_first) == 1 for node in products):
+            for node in products:  # x @ w.T, read where it lies
+                fused = onnx.helper.make_node("FusedMatMul", list(node.input), list(node.output), node.name,
+                                              domain="com.microsoft", transB=1)
+                node.CopyFrom(fused)
+            continue
+        transposed = f"{rows_first}_transposed"
+        for node in products:
+            node.input[:] = [transposed if name == rows_first else name for name in node.input]
+        at = list(graph.node).index(cast)
+        graph.node.insert(at + 1, onnx.helper.make_node("Transpose", [rows_first], [transposed],
+                                                        f"{cast.name}_transpose", perm=[1, 0]))
+    return True
+
+
 def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
                 written: Callable[[int], None] | None = None, threads: int = WRITE_THREADS,
                 in_flight_bytes: int = IN_FLIGHT_BYTES, linker: Linker | None = None) -> Path:
@@ -421,10 +494,15 @@ def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
         in_flight -= cost
         store(tensor, values.result() if isinstance(values, Future) else values, data)
 
+    cast_read = cast_readers(model.graph) if linker is not None else {}
     with open(path.with_name(data_name), "wb") as data, ThreadPoolExecutor(max(1, threads)) as pool:
         try:
             for tensor in graph_tensors(model):
                 recipe = recipe_of(tensor)
+                if tensor.name in cast_read and recipe is not None:
+                    stored = linker.link(tensor, recipe, book, as_stored=True)
+                    if stored is not None and read_as_stored(model.graph, tensor, stored, cast_read[tensor.name]):
+                        continue
                 link = linker.link(tensor, recipe, book) if linker is not None and recipe is not None else None
                 if link is not None:
                     del tensor.external_data[:]
@@ -447,6 +525,9 @@ def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
             for _, values, _ in pending:
                 if isinstance(values, Future):
                     values.cancel()
+    if any(node.domain == "com.microsoft" for node in model.graph.node) and \
+            not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))  # read_as_stored's FusedMatMul
     onnx.save(model, str(path))
     if links:
         write_links(path, links)

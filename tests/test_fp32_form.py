@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from systemone.export.half_precision import FLOAT32_FP16_WEIGHTS, convert_to_half
-from systemone.export.pipeline import add_forms
+from systemone.export.pipeline import add_forms, export_checkpoint
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
@@ -108,3 +108,37 @@ def test_the_fp32_form_answers_as_the_portable_graphs(fp32_form_artifact):
         answers[form] = service.decide(body)["answers"]
         service.close()
     assert max_probability_diff(answers["cuda-fp32"], answers["portable"]) <= 1e-4
+
+
+def test_a_linked_fp32_form_reads_the_checkpoints_bf16_rows_and_keeps_none_in_host_memory(d3_checkpoint, tmp_path,
+                                                                                          monkeypatch):
+    """`--weights link` on the cuda-fp32 rung: each weight a product casts is onnxruntime's own external data, the
+    checkpoint's bf16 rows in the hard-linked file, read as the checkpoint stores them (transposed in the product,
+    not in memory): the session keeps no linked arrays of its own, and the answers are the copied form's."""
+    from functools import partial
+
+    from systemone.export import pipeline
+    from systemone.export.weights import Linker
+    from systemone.runtime.linked_weights import read_links
+
+    monkeypatch.setattr(pipeline, "Linker", partial(Linker, min_bytes=0))  # link every weight of the tiny model
+    body = {"state": "The parcel arrived crushed.", "questions": {
+        "refund": {"type": "noul", "instructions": "Does the customer want a refund?"},
+        "mood": {"type": "score", "criteria": ["calm", "annoyed", "furious"]}}}
+    answers = {}
+    for weights in ("link", "copy"):
+        out = export_checkpoint(str(d3_checkpoint), tmp_path / weights, forms=["cuda-fp32"], gate_device="cpu",
+                                weights=weights)
+        service = DecisionService(Artifact.load(out), EngineOptions(device="cpu", form="cuda-fp32"))
+        answers[weights] = service.decide(body)["answers"]
+        if weights == "link":
+            text = onnx.load(str(out / "text.cuda-fp32.onnx"), load_external_data=False)
+            stored = {t.name: t for t in text.graph.initializer if t.data_type == TensorProto.BFLOAT16}
+            assert stored and all({e.key: e.value for e in t.external_data}["location"]
+                                  == "linked/model.safetensors" for t in stored.values())
+            assert {n.op_type for n in text.graph.node if n.domain == "com.microsoft"} == {"FusedMatMul"}
+            # Only what no cast reads (the readout, the norms) is made by the runtime.
+            assert not set(stored) & {link.name for link in read_links(out / "text.cuda-fp32.onnx")}
+            assert len(service.engine.session.linked_weights) == len(read_links(out / "text.cuda-fp32.onnx"))
+        service.close()
+    assert max_probability_diff(answers["link"], answers["copy"]) <= 1e-5

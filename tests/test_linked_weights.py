@@ -128,3 +128,51 @@ def test_a_links_file_this_runtime_cannot_make_is_refused_with_export_again(tmp_
                                               "stored": "I8", "shape": [4], "dtype": "float16"}]))
     with pytest.raises(ValueError, match="export again"):
         read_links(graph)
+
+
+def test_a_weight_only_a_cast_reads_is_the_checkpoints_own_rows_read_by_onnxruntime(tmp_path):
+    """The cuda-fp32 rung's weights (fp16 at rest, cast to fp32, overridable): linked, each is declared as the
+    checkpoint's bf16 rows at their offset in the hard-linked file, no runtime array; a transposed one is read
+    transposed by its product (FusedMatMul), or through a Transpose by anything else; the graph answers as the
+    copied one."""
+    (tmp_path / "ckpt").mkdir()
+    checkpoint = _checkpoint(tmp_path / "ckpt")
+    tensors = CheckpointTensors(checkpoint)
+    model, book = _graph_and_book()
+    graph = model.graph
+    graph.input[0].CopyFrom(helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 32]))
+    del graph.node[:], graph.output[:]
+    for name in ("proj_t", "q_t", "k_t"):  # overridable, each read by a cast to fp32
+        graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT16, None))
+        graph.node.append(helper.make_node("Cast", [name], [f"{name}_fp32"], f"{name}_cast", to=TensorProto.FLOAT))
+    graph.node.extend([helper.make_node("MatMul", ["x", "proj_t_fp32"], ["y0"]),
+                       helper.make_node("MatMul", ["x", "q_t_fp32"], ["y1"]),
+                       helper.make_node("Add", ["k_t_fp32", "k_t_fp32"], ["y2"])])  # not a product: a Transpose
+    graph.output.extend(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(3))
+    for tensor in graph.initializer:
+        if tensor.name == "norm":
+            graph.initializer.remove(tensor)
+            break
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "link").mkdir()
+    copied = write_graph(onnx.ModelProto.FromString(model.SerializeToString()), tmp_path / "copy" / "g.onnx", book,
+                         tensors)
+    linked = write_graph(model, tmp_path / "link" / "g.onnx", book, tensors,
+                         linker=Linker(tmp_path / "link", tensors, min_bytes=0))
+
+    assert read_links(linked) == []  # nothing for the runtime to make
+    written = onnx.load(str(linked), load_external_data=False)
+    stored = {t.name: (t.data_type, list(t.dims), {e.key: e.value for e in t.external_data})
+              for t in written.graph.initializer}
+    offsets = {key: value.start for key, value in tensors.files["model.safetensors"].items()}
+    assert stored["proj_t"] == (TensorProto.BFLOAT16, [48, 32], {
+        "location": "linked/model.safetensors", "offset": str(offsets["proj"]), "length": str(48 * 32 * 2)})
+    assert stored["k_t"][:2] == (TensorProto.BFLOAT16, [32, 32])
+    assert stored["k_t"][2]["offset"] == str(offsets["qkv"] + 32 * 32 * 2)  # the split's second piece
+    assert [n.op_type for n in written.graph.node] == ["Cast", "Cast", "Cast", "Transpose", "FusedMatMul",
+                                                      "FusedMatMul", "Add"]
+    x = {"x": np.random.default_rng(1).standard_normal((2, 32)).astype(np.float32)}
+    session = GraphSession(linked, "cpu", in_graph_order=True)
+    assert session.linked_weights == []
+    for want, got in zip(GraphSession(copied, "cpu", in_graph_order=True).run(x), session.run(x)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
