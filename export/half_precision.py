@@ -317,9 +317,7 @@ def cast_weights_per_run(graph, kept: Collection[str]) -> None:
         for index, name in enumerate(node.input):
             if name in weights:
                 readers.setdefault(name, []).append((node, index if index == slot else None))
-    in_subgraphs = {name for node in graph.node for attribute in node.attribute
-                    for sub in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs)
-                    for name in _names_read(sub)}
+    in_subgraphs = {name for node in graph.node for sub in _subgraphs(node) for name in _names_read(sub)}
     # Halved where only products (or lookups) read it, at their weight slot, none of them kept fp32 (nor a loop body).
     halved = {name for name, read in readers.items() if name not in in_subgraphs
               and all(slot is not None and node.name not in kept for node, slot in read)}
@@ -357,14 +355,19 @@ def cast_weights_per_run(graph, kept: Collection[str]) -> None:
         graph.input.append(onnx.helper.make_tensor_value_info(name, float16, list(weights[name].dims)))
 
 
-def _names_read(graph) -> set[str]:
-    """Every value name the nodes of `graph` and of its subgraphs read."""
+def _subgraphs(node) -> list:
+    """The graphs `node` holds as attributes (a Scan's or Loop's body, an If's branches)."""
     import onnx
 
+    return [sub for attribute in node.attribute
+            for sub in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs)]
+
+
+def _names_read(graph) -> set[str]:
+    """Every value name the nodes of `graph` and of its subgraphs read."""
     names = set()
     for node in graph.node:
         names.update(node.input)
-        for attribute in node.attribute:
-            for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
-                names |= _names_read(sub)
+        for sub in _subgraphs(node):
+            names |= _names_read(sub)
     return names

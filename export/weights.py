@@ -309,14 +309,11 @@ class Linker:
         self.root, self.tensors, self.min_bytes, self.say = Path(root), tensors, min_bytes, say
         self.files: dict[str, int] = {}
 
-    def link(self, tensor, recipe: str, book: WeightBook, as_stored: bool = False):
-        """The `LinkedWeight` for virtual `tensor` (recipe `recipe`), or None where it is not linkable. With
-        `as_stored`, whatever the graph's dtype (the graph will read the rows in the checkpoint's dtype and
-        orientation: `read_as_stored`)."""
+    def link(self, tensor, recipe: str, book: WeightBook):
+        """The `LinkedWeight` for virtual `tensor` (recipe `recipe`), or None where it is not linkable."""
         import onnx
 
         dtype = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.FLOAT: "float32"}.get(tensor.data_type)
-        dtype = dtype or ("float32" if as_stored else None)
         view = _row_view(recipe, book)
         if dtype is None or view is None:
             return None
@@ -499,11 +496,10 @@ def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
         try:
             for tensor in graph_tensors(model):
                 recipe = recipe_of(tensor)
-                if tensor.name in cast_read and recipe is not None:
-                    stored = linker.link(tensor, recipe, book, as_stored=True)
-                    if stored is not None and read_as_stored(model.graph, tensor, stored, cast_read[tensor.name]):
-                        continue
                 link = linker.link(tensor, recipe, book) if linker is not None and recipe is not None else None
+                if link is not None and tensor.name in cast_read and \
+                        read_as_stored(model.graph, tensor, link, cast_read[tensor.name]):
+                    continue  # onnxruntime reads it from the linked file itself
                 if link is not None:
                     del tensor.external_data[:]
                     entry = tensor.external_data.add()

@@ -93,15 +93,14 @@ class GraphSession:
         links = read_links(Path(path))
         self.linked_weights = make_weights(links, Path(path).parent)
         linked = dict(zip((link.name for link in links), self.linked_weights))
-        order = {"linked": linked, "in_graph_order": in_graph_order}
         if capture is not None and providers[0] == CUDA:
             try:
-                self.session = self._open(path, providers, threads, gpu_memory, capture=True, **order)
+                self.session = self._open(path, providers, threads, gpu_memory, linked, in_graph_order, capture=True)
                 self.buckets, self.captured = capture, CapturedRuns(self.session)
             except Exception as exc:  # onnxruntime refuses capture at load: control flow, nodes off CUDA
                 self.capture_refused = str(exc).splitlines()[0][:300]
         if self.captured is None:
-            self.session = self._open(path, providers, threads, gpu_memory, capture=False, **order)
+            self.session = self._open(path, providers, threads, gpu_memory, linked, in_graph_order, capture=False)
         self.provider = self.session.get_providers()[0]
         if self.provider != providers[0]:
             raise ProviderUnavailable(f"onnxruntime could not start {providers[0]} for {Path(path).name} "
@@ -115,7 +114,7 @@ class GraphSession:
 
     @staticmethod
     def _open(path: str | Path, providers: list[str], threads: int | None, gpu_memory: int | None,
-              linked: Mapping[str, np.ndarray], capture: bool, in_graph_order: bool) -> ort.InferenceSession:
+              linked: Mapping[str, np.ndarray], in_graph_order: bool, capture: bool) -> ort.InferenceSession:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if in_graph_order:
