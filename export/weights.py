@@ -383,18 +383,23 @@ def _row_view(name: str, book: WeightBook) -> tuple[Stored, int, int | None, boo
 _ONNX_OF_STORED = {"BF16": 16, "F16": 10, "F32": 1}  # safetensors' dtype -> onnx.TensorProto's
 
 
-def cast_readers(graph) -> dict[str, list]:
-    """The weights onnxruntime may read as the checkpoint stores them: overridable initializers (graph inputs, so
-    nothing folds what reads them) that only a Cast to fp32 reads, directly or through a Gather whose rows only such
-    a Cast reads (export/half_precision.py, `cast_weights_per_run`); by name, the Cast and Gather nodes that read
-    each."""
-    import onnx
-
-    inputs = {v.name for v in graph.input}
+def consumers_of(graph) -> dict[str, list]:
+    """By value name, the nodes of `graph` (not its subgraphs) that read it."""
     consumers: dict[str, list] = {}
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
+    return consumers
+
+
+def cast_readers(graph, consumers: dict[str, list]) -> dict[str, list]:
+    """The weights onnxruntime may read as the checkpoint stores them: overridable initializers (graph inputs, so
+    nothing folds what reads them) that only a Cast to fp32 reads, directly or through a Gather whose rows only such
+    a Cast reads (export/half_precision.py, `cast_weights_per_run`); by name, the Cast and Gather nodes that read
+    each. `consumers`: `consumers_of(graph)`."""
+    import onnx
+
+    inputs = {v.name for v in graph.input}
 
     def to_fp32(node) -> bool:
         return node.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT for a in node.attribute)
@@ -410,11 +415,12 @@ def cast_readers(graph) -> dict[str, list]:
     return found
 
 
-def read_as_stored(graph, tensor, link: LinkedWeight, readers: list) -> bool:
+def read_as_stored(graph, tensor, link: LinkedWeight, readers: list, consumers: dict[str, list]) -> bool:
     """Declare `tensor` as the rows `link` names, in the checkpoint's dtype and orientation, as ONNX external data
     in the hard-linked file (onnxruntime reads it when the session opens, a tensor at a time), and transpose after
     its Cast where `link` is transposed: a product reading it becomes a FusedMatMul with `transB`, anything else
-    reads a Transpose. False (nothing changed) where a Gather reads it transposed."""
+    reads a Transpose. False (nothing changed) where a Gather reads it transposed. `consumers`: `consumers_of(graph)`,
+    looked up rather than scanned since a 27B graph holds hundreds of such weights."""
     import onnx
 
     if link.transpose and any(node.op_type == "Gather" for node in readers):
@@ -434,7 +440,7 @@ def read_as_stored(graph, tensor, link: LinkedWeight, readers: list) -> bool:
         return True
     for cast in readers:
         rows_first = cast.output[0]
-        products = [node for node in graph.node if rows_first in node.input]
+        products = consumers.get(rows_first, [])
         if all(node.op_type == "MatMul" and list(node.input).index(rows_first) == 1 for node in products):
             for node in products:  # x @ w.T, read where it lies
                 fused = onnx.helper.make_node("FusedMatMul", list(node.input), list(node.output), node.name,
@@ -491,14 +497,15 @@ def write_graph(model, path: Path, book: WeightBook, tensors: CheckpointTensors,
         in_flight -= cost
         store(tensor, values.result() if isinstance(values, Future) else values, data)
 
-    cast_read = cast_readers(model.graph) if linker is not None else {}
+    consumers = consumers_of(model.graph) if linker is not None else {}
+    cast_read = cast_readers(model.graph, consumers) if linker is not None else {}
     with open(path.with_name(data_name), "wb") as data, ThreadPoolExecutor(max(1, threads)) as pool:
         try:
             for tensor in graph_tensors(model):
                 recipe = recipe_of(tensor)
                 link = linker.link(tensor, recipe, book) if linker is not None and recipe is not None else None
                 if link is not None and tensor.name in cast_read and \
-                        read_as_stored(model.graph, tensor, link, cast_read[tensor.name]):
+                        read_as_stored(model.graph, tensor, link, cast_read[tensor.name], consumers):
                     continue  # onnxruntime reads it from the linked file itself
                 if link is not None:
                     del tensor.external_data[:]
