@@ -5,12 +5,8 @@
 # same GPU, then the seeds' mix at 1, 8 and 64 closed-loop clients against each (`systemone bench --serve`, its
 # own ceiling beside every run, the seeds' published figures beside them for d3-nano and d3-mini), and text-only
 # one-question requests at 64 clients against each.
-# The machine has no fastapi/uvicorn/pydantic (nor pybase64, which the runtime needs everywhere): gather their
-# wheels here first, once:
-#   ../shared/device/prepare.sh fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
-#     uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 annotated-types==0.8.0 typing-inspection==0.4.5 click==8.5.1 \
-#     zstandard==0.25.0 opentelemetry-api==1.45.2 annotated-doc==0.0.7 typing_extensions==4.16.0 httptools==0.9.0 \
-#     uvloop==0.23.0 pybase64==1.5.1 flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
+# The machine lacks fastapi, uvicorn, pydantic and the rest of the server's dependencies: gather their wheels first
+# (scripts/gpu/README.md, step 1).
 #   bash scripts/gpu/gpu_serve_bench.sh SIZE MODE [SECONDS]
 # SERVE_ARGS: more `systemone serve` flags (e.g. "--gpu-memory 6"); REFERENCE=0: our server alone; TAG: a suffix for
 # the result files; CLIENTS (1 8 64): the mix's client counts; TEXT1=0: no text-only run; MP4=1: the mix again with its video also sent as an MPEG-4 file (kind mp4). Each run reports
