@@ -5,8 +5,9 @@
 #   calls 1-6   bash scripts/gpu/lease.sh gather K     carry .device/ort/part0K (+ .device/wK where it exists;
 #                                                      .device/ort/SHA256 with K = 6, which installs the wheels)
 #   then        bash scripts/gpu/lease.sh wait SECONDS until every export is done (prints the table so far)
-#   then        bash scripts/gpu/lease.sh bench STEP...  graphs (d3-nano vs torch), mix (d3-nano, ours and the
-#                                                      reference), serve SIZE (one request and the mix's five kinds)
+#   then        bash scripts/gpu/lease.sh bench STEP...  graphs (d3-nano vs torch), mix[:SIZE] (d3-nano unless named,
+#                                                      ours and the reference), serve:SIZE (one request and the
+#                                                      mix's five kinds)
 #   and         bash scripts/gpu/lease.sh drop SIZE...   frees the disk of sizes already measured
 #               bash scripts/gpu/lease.sh more SIZE...   builds and exports more sizes (those too large to sit on the
 #                                                      64 GB disk beside the first), then `wait` with SIZES set
@@ -161,8 +162,9 @@ bench)
     case $what in
     graphs)  # d3-nano's text graph against torch at its best, 1 / 8 / 32 x 200 and 8 x 1000
       (cd ~/repo && OUT=~/res BENCH_ARGS="${BENCH_ARGS:-}" bash scripts/gpu/gpu_bench.sh graphs d3-nano "$mode" "$(form_of d3-nano)") ;;
-    mix)  # d3-nano: the seeds' mix and text-only requests, ours and the reference, the published figures beside
-      (cd ~/repo && OUT=~/res bash scripts/gpu/gpu_serve_bench.sh d3-nano "$mode" "${SECONDS_EACH:-15}") ;;
+    mix|mix:*)  # the seeds' mix (d3-nano unless named) and text-only requests, ours and the reference server
+      size=${what#mix}; size=${size#:}  # beside, the published figures beside where the seeds publish them
+      (cd ~/repo && OUT=~/res bash scripts/gpu/gpu_serve_bench.sh "${size:-d3-nano}" "$mode" "${SECONDS_EACH:-15}") ;;
     concurrency:*)  # answers under 8 clients against the same bodies alone (scripts/concurrency_check.py)
       size=${what#concurrency:}
       (cd ~ && python3 ~/repo/scripts/concurrency_check.py "$(work_of "$size")/artifact" \
