@@ -334,7 +334,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = run_load(args.serve, args.family, tuple(args.clients), args.seconds, args.model, args.reference,
                           tuple(args.kinds), pids, timeout_s=args.timeout, processes=args.processes,
                           max_processes=args.max_processes, ceiling_seconds=args.ceiling_seconds,
-                          published=args.published)
+                          published=args.published, warm_up_s=args.warm_up)
         if args.out:
             write_report(report, Path(args.out))
         return 0
@@ -663,6 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="most generator processes (default: half the cores)")
     load.add_argument("--ceiling-seconds", type=float, default=5.0,
                       help="seconds of each measure of the generator's ceiling against its stub server")
+    load.add_argument("--warm-up", type=float, default=5.0, metavar="SECONDS",
+                      help="seconds of load, not measured, before each run at its client count (and each kind "
+                           "of the mix once before a server's first): work done once per shape falls there; 0: none")
     load.add_argument("--published", choices=sorted(PUBLISHED), default=None,
                       help="the checkpoint size whose published figures (the seeds', MI300X) are printed beside "
                            "this run's")

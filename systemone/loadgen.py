@@ -358,19 +358,22 @@ class LoadResult:
 
 async def closed_loop(url: str, mix: RequestMix, clients: int, seconds: float, model: str | None = None,
                       keep: Callable[[dict[str, Any], bytes], None] | None = None,
-                      timeout_s: float = DEFAULT_TIMEOUT_S) -> LoadResult:
+                      timeout_s: float = DEFAULT_TIMEOUT_S, requests: int | None = None) -> LoadResult:
     """`clients` connections, each sending its next request as soon as the last is answered (or given up after
-    `timeout_s`: the connection is then closed and a new one opened), for `seconds`; `keep(body, payload)` sees
-    each request answered in full and its payload."""
+    `timeout_s`: the connection is then closed and a new one opened), for `seconds` (and no more than `requests`
+    requests in all, where given); `keep(body, payload)` sees each request answered in full and its payload."""
     result = LoadResult(seconds)
     deadline = time.monotonic() + seconds
-    counter = iter(range(10**9))
+    counter = iter(range(10**9) if requests is None else range(requests))
 
     async def client() -> None:
         http = HttpClient(url)
         try:
             while time.monotonic() < deadline:
-                kind, body = mix.body(next(counter))
+                number = next(counter, None)
+                if number is None:
+                    break
+                kind, body = mix.body(number)
                 if model:
                     body["model"] = model
                 payload = json.dumps(body).encode()
@@ -452,6 +455,23 @@ def generate(url: str, mix: RequestMix, clients: int, seconds: float, processes:
             if worker.is_alive():
                 worker.terminate()
     return outcome
+
+
+def warm_up(url: str, mix: RequestMix, clients: int, seconds: float, model: str | None = None,
+            timeout_s: float = DEFAULT_TIMEOUT_S, every_kind: bool = True) -> dict[str, Any]:
+    """Load that is not measured, before a measured run: with `every_kind`, one request of each of the mix's kinds,
+    one after another; then `seconds` of `clients` clients. Work a server does once per shape (the reference
+    server's Triton kernels compile on a shape's first request: 42 s for d3-nano's first on an H100) falls here, not
+    in the run measured after it. What it answered, and how long it took."""
+    done: dict[str, Any] = {}
+    if every_kind:
+        first = asyncio.run(closed_loop(url, mix.renewed(), 1, len(mix.kinds) * timeout_s, model,
+                                        timeout_s=timeout_s, requests=len(mix.kinds)))
+        done["every_kind"] = {"seconds": round(first.seconds, 2), "answered": len(first.latencies),
+                              "statuses": {str(k): v for k, v in sorted(first.statuses.items())}}
+    load = asyncio.run(closed_loop(url, mix.renewed(), clients, seconds, model, timeout_s=timeout_s))
+    done["load"] = {"seconds": round(load.seconds, 2), "answered": len(load.latencies)}
+    return done
 
 
 # -- the stub server the generator's ceiling is measured against ---------------------------------------------------
@@ -585,10 +605,11 @@ def run_load(url: str, family: str, clients: tuple[int, ...], seconds: float, mo
              reference: str | None = None, kinds: tuple[str, ...] = KINDS, pids: dict[str, int] | None = None,
              timeout_s: float = DEFAULT_TIMEOUT_S, processes: int = 1, max_processes: int | None = None,
              ceiling_seconds: float = 5.0, published: str | None = None,
-             mix: RequestMix | None = None) -> dict[str, Any]:
+             mix: RequestMix | None = None, warm_up_s: float = 5.0) -> dict[str, Any]:
     """The mix at each client count against `url` (and `reference`, when given, on the same mix), each run with a
     nonce of its own and the generator's ceiling beside it; where a server has /metrics, its work shares during
-    each run. With `pids` (the servers' processes by name, "server" and "reference"; may be empty), the most GPU
+    each run. Before each run, `warm_up` at its client count for `warm_up_s` (each kind once first, before a
+    server's first run; 0: none); the servers take turns at each client count, who goes first alternating. With `pids` (the servers' processes by name, "server" and "reference"; may be empty), the most GPU
     memory each held and the device held in all during each run, and what they held before the first
     (nvidia-smi). With `published` (a checkpoint size), the seeds' published figures beside the runs."""
     most = max_processes or max(1, (os.cpu_count() or 2) // 2)
@@ -599,9 +620,16 @@ def run_load(url: str, family: str, clients: tuple[int, ...], seconds: float, mo
     if sample:
         report["gpu_memory_mib_before_load"] = held_mib(pids)
     ceilings: dict[tuple[int, int], float] = {}
+    warmed: set[str] = set()
     with stub_server(most) as stub:
-        for name, target in targets.items():
-            for count in clients:
+        for index, count in enumerate(clients):
+            for name in (list(targets) if index % 2 == 0 else list(targets)[::-1]):
+                target = targets[name]
+                warm = None
+                if warm_up_s > 0:
+                    warm = warm_up(target, base, count, warm_up_s, model, timeout_s, every_kind=name not in warmed)
+                    warmed.add(name)
+
                 def ceiling_of(spread: int, count: int = count) -> float:
                     if (count, spread) not in ceilings:
                         ceilings[count, spread] = ceiling(stub, base, count, spread, ceiling_seconds)
@@ -620,7 +648,8 @@ def run_load(url: str, family: str, clients: tuple[int, ...], seconds: float, mo
                     return result, run
 
                 run, generator = spread_until_ceiling(ceiling_of, measured, min(processes, count), min(count, most))
-                report["runs"][f"{name}@{count}"] = {**run, "generator": generator}
+                report["runs"][f"{name}@{count}"] = {**run, "generator": generator,
+                                                     **({"warm_up": warm} if warm is not None else {})}
                 print(f"{name:9s} {count:3d} clients: {run['requests_per_s']:.1f} requests/s; generator ceiling "
                       f"{generator['ceiling_requests_per_s']:.1f} requests/s ({generator['processes']} process(es), "
                       f"{generator['ceiling_over_measured'] or 0:.1f}x the rate"

@@ -178,7 +178,7 @@ def test_the_ceiling_is_measured_and_printed_with_every_run(capsys):
         assert ceiling(stub, mix, clients=2, processes=1, seconds=0.5) > 0
         # The stub stands in for the measured server too.
         report = run_load(stub, "d3", clients=(1, 2), seconds=0.5, kinds=("text1",), max_processes=1,
-                          ceiling_seconds=0.5, published="d3-nano", mix=mix)
+                          ceiling_seconds=0.5, published="d3-nano", mix=mix, warm_up_s=0)
     for count in (1, 2):
         run = report["runs"][f"server@{count}"]
         assert run["answered"] > 0 and run["generator"]["ceiling_requests_per_s"] > 0
@@ -188,6 +188,33 @@ def test_the_ceiling_is_measured_and_printed_with_every_run(capsys):
     # The seeds' published figures beside the run's, at their client counts.
     assert PUBLISHED_SOURCE in printed and "11.1" in printed and "59.8" in printed and "16.5" in printed
     assert report["published"]["requests_per_s"]["vLLM"] == (11.1, 52.8, 59.8)
+
+
+def test_each_run_follows_a_warm_up_and_the_servers_take_turns():
+    """A server's first run comes after each kind of the mix was answered once and a few seconds of the run's load,
+    none of it measured (the reference's kernels compile on a shape's first request); each later run after the
+    load alone. At each client count both servers run, who goes first alternating."""
+    mix = RequestMix("d3", kinds=("text", "json", "choice40"))
+    with stub_server() as ours, stub_server() as reference:
+        report = run_load(ours, "d3", clients=(1, 2, 3), seconds=0.3, reference=reference, max_processes=1,
+                          ceiling_seconds=0.2, mix=mix, warm_up_s=0.3)
+    assert list(report["runs"]) == ["server@1", "reference@1", "reference@2", "server@2", "server@3", "reference@3"]
+    for name in ("server", "reference"):
+        first = report["runs"][f"{name}@1"]["warm_up"]
+        assert first["every_kind"] == {"seconds": first["every_kind"]["seconds"], "answered": 3,
+                                       "statuses": {"200": 3}}
+        assert first["load"]["answered"] > 0
+        for count in (2, 3):
+            later = report["runs"][f"{name}@{count}"]["warm_up"]
+            assert "every_kind" not in later and later["load"]["answered"] > 0
+            assert report["runs"][f"{name}@{count}"]["answered"] > 0
+
+
+def test_a_closed_loop_stops_at_its_request_count():
+    mix = RequestMix("d3", kinds=("text", "json"))
+    with stub_server() as stub:
+        done = asyncio.run(closed_loop(stub, mix, 3, 30.0, requests=5))
+    assert len(done.latencies) == 5 and done.seconds < 30.0
 
 
 class Measured:
