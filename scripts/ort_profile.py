@@ -77,7 +77,7 @@ def main() -> None:
 
     from systemone.runtime.artifact import Artifact
     from systemone.runtime.batch import BatchBudget
-    from systemone.runtime.d1.state import READS, D1TextRunner, StateLayout
+    from systemone.runtime.d1.state import READS, D1TextRunner, layout_of
     from systemone.runtime.d3.code_logits import code_logit_feeds, text_positions
     from systemone.runtime.d3.vision_inputs import vision_inputs
     from systemone.runtime.session import provider_options, resolve_providers
@@ -123,7 +123,7 @@ def main() -> None:
             feeds.pop("segments")
         fetch = None
     elif artifact.manifest.family == "d1":  # whole prompts from an empty state, five label tokens read
-        runner = D1TextRunner(None, StateLayout.from_manifest(fields), BatchBudget())
+        runner = D1TextRunner(None, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
         ids = rng.integers(0, 60_000, (args.batch, args.length))
         feeds = runner.feeds(ids, np.full(args.batch, args.length - 1), np.arange(5, dtype=np.int64),
                              runner.empty(), None)

@@ -14,7 +14,7 @@ import pytest
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
 from systemone.runtime.cuda_graphs import GRAPH_ID, CaptureBuckets, CapturedRuns, uncaptured
-from systemone.runtime.d1.state import LABEL_SLOTS, READS, D1TextRunner, StateLayout
+from systemone.runtime.d1.state import LABEL_SLOTS, READS, D1TextRunner, layout_of
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, row_feeds, text_positions
 from systemone.runtime.session import GraphSession
 
@@ -78,10 +78,11 @@ def test_d1_prompts_padded_to_a_bucket_read_what_they_read_alone(d1_artifact):
     """d1's whole prompts from an empty state (one-question requests' rows) pad to a bucket as d3's do, and their
     labels to LABEL_SLOTS: each row's label log-probabilities and greedy token are the ones it gets alone. A call
     with more labels than the slots, or past the buckets, is the plain one."""
-    layout = StateLayout.from_manifest(Artifact.load(d1_artifact).manifest.model)
-    plain = D1TextRunner(GraphSession(d1_artifact / "text.onnx", "cpu"), layout, BatchBudget())
+    fields = Artifact.load(d1_artifact).manifest.model
+    plain = D1TextRunner(GraphSession(d1_artifact / "text.onnx", "cpu"), BatchBudget(),
+                         int(fields["hidden_size"]), layout_of(fields))
     session = RecordingSession(d1_artifact / "text.onnx", CaptureBuckets(batches=(4,), lengths=(64,)))
-    padded = D1TextRunner(session, layout, BatchBudget())
+    padded = D1TextRunner(session, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 5000, n).tolist() for n in (5, 17, 40)]
     labels = [5, 17, 300]
@@ -102,9 +103,9 @@ def test_the_state_no_one_reads_goes_to_one_scratch_buffer_shared_by_every_shape
     every shape, so the shapes hold their reads and inputs only (at d1-3B's size their state was 2.3 GB). The
     largest shape captured first makes the buffer once; a larger shape later makes a new one, and the shapes bound
     to the old keep it. The bindings are onnxruntime's IO binding, here on the CPU's memory (CUDA's on a GPU)."""
-    layout = StateLayout.from_manifest(Artifact.load(d1_artifact).manifest.model)
+    fields = Artifact.load(d1_artifact).manifest.model
     session = GraphSession(d1_artifact / "text.onnx", "cpu")
-    runner = D1TextRunner(session, layout, BatchBudget())
+    runner = D1TextRunner(session, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
     runs = CapturedRuns(session.session, device="cpu")
     reads = [session.output_names.index(name) for name in READS]
     rng = np.random.default_rng(0)
@@ -181,11 +182,11 @@ def test_every_shape_reads_one_device_copy_of_causal_d3s_zero_state(d3_causal_ar
     """A causal d3 graph's whole prompts start from a zero state (d3-nano's recurrent states are 18 MB): every
     captured shape is bound to one device copy of it, never copied again, and the shapes' memory counts it once. A
     shape's key names that array, so another array (even of the same zeros) is not replayed on it."""
-    from systemone.runtime.d3.state import D3StateLayout
+    from systemone.runtime.d3 import state as d3_state
 
     fields = Artifact.load(d3_causal_artifact).manifest.model
     session = GraphSession(d3_causal_artifact / "text.onnx", "cpu")
-    runner = CodeLogitsRunner(session, BatchBudget(), int(fields["hidden_size"]), D3StateLayout.from_manifest(fields))
+    runner = CodeLogitsRunner(session, BatchBudget(), int(fields["hidden_size"]), d3_state.layout_of(fields))
     runs = CapturedRuns(session.session, device="cpu")
     rng = np.random.default_rng(0)
 
@@ -232,24 +233,25 @@ def test_a_prefix_state_kept_past_its_run_leaves_a_capturing_sessions_arena(d1_a
     replayed, came back as NaN (9 of 252 answers a 500 at 8 clients, H100). So a prefix's state that outlives its
     run is copied out of a capturing session's memory, and kept as it is where the session captures nothing; the
     questions read the same either way."""
-    from systemone.runtime.d3.state import D3StateLayout
+    from systemone.runtime.d3 import state as d3_state
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 5000, 40).tolist()
-    layout = StateLayout.from_manifest(Artifact.load(d1_artifact).manifest.model)
-    plain = D1TextRunner(GraphSession(d1_artifact / "text.onnx", "cpu"), layout, BatchBudget())
+    fields = Artifact.load(d1_artifact).manifest.model
+    plain = D1TextRunner(GraphSession(d1_artifact / "text.onnx", "cpu"), BatchBudget(),
+                         int(fields["hidden_size"]), layout_of(fields))
     session = CapturingOnCpu(d1_artifact / "text.onnx")
-    capturing = D1TextRunner(session, layout, BatchBudget())
+    capturing = D1TextRunner(session, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
     kept, want = capturing.extend(capturing.empty(), ids), plain.extend(plain.empty(), ids)
-    assert session.given and not any(state is given for state in kept.states for given in session.given)
+    assert session.given and not any(state is given for state in kept.states.values() for given in session.given)
     assert all(np.array_equal(np.asarray(k.numpy()), np.asarray(w.numpy() if hasattr(w, "numpy") else w))
-               for k, w in zip(kept.states, want.states, strict=True))
+               for k, w in zip(kept.states.values(), want.states.values(), strict=True))
     suffixes, labels = [rng.integers(0, 5000, 3).tolist()], [5, 17]
     assert np.array_equal(capturing.suffix_logprobs(kept, suffixes, labels)[0],
                           plain.suffix_logprobs(want, suffixes, labels)[0])
 
     fields = Artifact.load(d3_causal_artifact).manifest.model
-    hidden, d3_layout = int(fields["hidden_size"]), D3StateLayout.from_manifest(fields)
+    hidden, d3_layout = int(fields["hidden_size"]), d3_state.layout_of(fields)
     session = CapturingOnCpu(d3_causal_artifact / "text.onnx")
     prefix = CodeLogitsRunner(session, BatchBudget(), hidden, d3_layout).prefill(TextRow(ids, text_positions(len(ids))))
     want = CodeLogitsRunner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), BatchBudget(), hidden,

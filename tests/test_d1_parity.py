@@ -127,7 +127,7 @@ def test_the_prefix_is_prefilled_in_chunks_within_the_attention_budget(d1_servic
     budget = runner.budget
     try:
         # chunks of ~128 tokens after 128
-        runner.budget = dataclasses.replace(budget, attention_budget=2 * 4 * runner.layout.heads * 128 * 256)
+        runner.budget = dataclasses.replace(budget, attention_budget=2 * 4 * d1_service.engine.budget.heads * 128 * 256)
         assert runner.budget.chunk_length(500) < 300
         chunked = reads(d1_service, prepared)
     finally:

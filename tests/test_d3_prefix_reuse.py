@@ -9,6 +9,7 @@ import json
 import shutil
 
 import numpy as np
+import onnx
 import pytest
 
 from systemone.export.d3.answer_parity import question_set
@@ -17,7 +18,7 @@ from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, CallCost, MediaRows, TextRow
 from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
-from systemone.runtime.d3.state import D3StateLayout
+from systemone.runtime.d3 import state as d3_state
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from systemone.runtime.session import GraphSession
@@ -34,7 +35,7 @@ def causal_service(d3_causal_artifact) -> DecisionService:
 def runner_for(artifact, graph: str = "text.onnx") -> CodeLogitsRunner:
     fields = json.loads((artifact / "manifest.json").read_text())
     return CodeLogitsRunner(GraphSession(artifact / graph, "cpu"), BatchBudget(), int(fields["hidden_size"]),
-                            D3StateLayout.from_manifest(fields))
+                            d3_state.layout_of(fields))
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -52,7 +53,7 @@ def test_a_prefix_prefilled_in_chunks_of_the_time_slice_reads_as_one_call(d3_cau
     rows among them: its suffixes read as on the prefix prefilled in one call."""
     fields = json.loads((d3_causal_artifact / "manifest.json").read_text())
     sliced = CodeLogitsRunner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), BatchBudget(slice_s=0.3),
-                              int(fields["hidden_size"]), D3StateLayout.from_manifest(fields))
+                              int(fields["hidden_size"]), d3_state.layout_of(fields))
     sliced.cost = CallCost(fixed_s=0.0, token_s=1e-3)
     whole = runner_for(d3_causal_artifact)
     rng = np.random.default_rng(7)
@@ -77,9 +78,12 @@ def test_a_prefix_prefilled_in_chunks_of_the_time_slice_reads_as_one_call(d3_cau
 
 def test_the_causal_manifest_records_the_state_and_the_bidirectional_one_none(d3_artifact, d3_causal_artifact):
     causal = json.loads((d3_causal_artifact / "manifest.json").read_text())
-    layout = D3StateLayout.from_manifest(causal)
-    assert layout is not None and len(layout.layer_types) == len(causal["state"]["layer_types"])
-    assert D3StateLayout.from_manifest(json.loads((d3_artifact / "manifest.json").read_text())) is None
+    layout = d3_state.layout_of(causal)
+    # Every layer carries two: a window and a recurrent state, or keys and values; the text graph takes them all.
+    assert layout is not None and len(layout.tensors) == 2 * len(causal["state"]["layer_types"])
+    text = onnx.load(str(d3_causal_artifact / "text.onnx"), load_external_data=False)
+    assert set(layout.names("past")) <= {value.name for value in text.graph.input}
+    assert d3_state.layout_of(json.loads((d3_artifact / "manifest.json").read_text())) is None
 
 
 @pytest.mark.parametrize("prefix_length", [1, 63, 64, 150])

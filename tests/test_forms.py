@@ -497,7 +497,7 @@ def test_a_fused_form_question_answers_alike_alone_and_beside_longer_rows(mode, 
     the scheduler's promise that an answer does not depend on its batch mates."""
     from systemone.runtime.batch import BatchBudget, TextRow
     from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
-    from systemone.runtime.d3.state import D3StateLayout
+    from systemone.runtime.d3 import state as d3_state
     from systemone.runtime.session import GraphSession
 
     artifact = request.getfixturevalue("d3_artifact" if mode == "noncausal" else "d3_causal_artifact")
@@ -505,7 +505,7 @@ def test_a_fused_form_question_answers_alike_alone_and_beside_longer_rows(mode, 
     form = loaded.forms_for("cuda")[0]
     fields = loaded.manifest.model
     runner = CodeLogitsRunner(GraphSession(artifact / f"text.{form}.onnx", "cpu"), BatchBudget(),
-                              int(fields["hidden_size"]), D3StateLayout.from_manifest(fields))
+                              int(fields["hidden_size"]), d3_state.layout_of(fields))
     rng = np.random.default_rng(0)
     rows = [TextRow(rng.integers(0, 5000, n).tolist(), text_positions(n)) for n in (9, 41, 23)]
     together = runner.run_batch(rows)  # one right-padded call of 41 tokens
@@ -606,11 +606,12 @@ def test_a_d1_fused_form_suffix_reads_alike_alone_and_beside_longer_rows(d1_arti
     alone and in a right-padded call beside longer suffixes (half precision: within 2e-3): its answer does not
     depend on its batch mates."""
     from systemone.runtime.batch import BatchBudget
-    from systemone.runtime.d1.state import D1TextRunner, StateLayout
+    from systemone.runtime.d1.state import D1TextRunner, layout_of
     from systemone.runtime.session import GraphSession
 
-    layout = StateLayout.from_manifest(Artifact.load(d1_artifact).manifest.model)
-    runner = D1TextRunner(GraphSession(d1_artifact / "text.cuda-fused-fp16.onnx", "cpu"), layout, BatchBudget())
+    fields = Artifact.load(d1_artifact).manifest.model
+    runner = D1TextRunner(GraphSession(d1_artifact / "text.cuda-fused-fp16.onnx", "cpu"), BatchBudget(),
+                          int(fields["hidden_size"]), layout_of(fields))
     runner.cost = None  # calls filled as far as the budgets allow: the three suffixes in one call
     rng = np.random.default_rng(0)
     snapshot = runner.extend(runner.empty(), rng.integers(0, 5000, 57).tolist())

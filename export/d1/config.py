@@ -19,7 +19,8 @@ from ...models.d1 import D1Family
 from ...runtime.batch import BatchBudget
 from ...runtime.d1.cells import unshuffle_order
 from ...runtime.d1.image_processor import Lfm2ImageConfig
-from ...runtime.d1.state import D1TextRunner, StateLayout
+from ...runtime.d1.state import D1TextRunner, layout_of
+from ...runtime.text_state import StateLayout
 from ...runtime.session import GraphSession
 from ...runtime.tokenizer import PromptTokenizer
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms
@@ -208,12 +209,12 @@ class D1ExportConfig(ExportConfig):
     # -- the declaration the pipeline reads -------------------------------------------------------------------
     @property
     def layout(self) -> StateLayout:
-        return StateLayout.from_manifest(self.manifest_bits())
+        return layout_of(self.manifest_bits())
 
     def graphs(self, fused: bool = False) -> list[GraphSpec]:
         """The text and vision graphs; `fused`: as the CUDA forms write them, with onnxruntime's fused ops."""
         layout = self.layout
-        past_axes = {name: {2: "past"} for name in layout.names("past") if "_conv_" not in name}
+        past_axes = {name: {2: "past"} for name in layout.growing("past")}
         dynamic = torch.export.Dim.DYNAMIC
         translations = TRANSLATIONS if fused else None
         vision_shapes = {"patches": {0: dynamic, 1: dynamic}, "positions": {0: dynamic}}
@@ -299,7 +300,8 @@ class D1ExportConfig(ExportConfig):
 
     def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
         def text(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
-            runner = D1TextRunner(GraphSession(staging / "text.onnx", "cpu"), self.layout, BatchBudget())
+            runner = D1TextRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(),
+                                  int(self.text_config.hidden_size), self.layout)
             labels = label_ids(PromptTokenizer(staging / "tokenizer.json").encode)
             prompts = sample_prompts(D1Family(), staging, files, SAMPLE_REQUEST, lengths, seed,
                                      int(self.text_config.vocab_size))

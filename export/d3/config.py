@@ -16,7 +16,8 @@ import torch
 from ...models.d3 import D3Family, DecisionConfig
 from ...runtime.batch import BatchBudget, MediaRows, TextRow
 from ...runtime.d3.code_logits import CodeLogitsRunner, text_positions
-from ...runtime.d3.state import LINEAR, D3StateLayout
+from ...runtime.d3.state import LINEAR, STATE_FIELDS, state_layout
+from ...runtime.text_state import StateLayout
 from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms
@@ -107,16 +108,23 @@ class D3ExportConfig(ExportConfig):
         return self.decision_config.attention_mode
 
     @property
-    def state_layout(self) -> D3StateLayout | None:
-        """The state the causal text graph carries between calls (prefix reuse); None in the bidirectional mode."""
+    def state_fields(self) -> dict[str, Any] | None:
+        """The state the causal text graph carries between calls (prefix reuse), as the manifest records it
+        (runtime/d3/state.py); None in the bidirectional mode."""
         if self.attention_mode != "causal":
             return None
         layers = self.meta.language_model.layers
         linear = next(layer.linear_attn for layer in layers if layer.block_type == LINEAR)
         attention = next(layer.self_attn for layer in layers if layer.block_type != LINEAR)
-        return D3StateLayout(tuple(layer.block_type for layer in layers), int(self.text_config.num_key_value_heads),
-                             int(attention.head_dim), int(linear.conv_dim), int(linear.conv_kernel_size) - 1,
-                             int(linear.num_v_heads), int(linear.head_k_dim), int(linear.head_v_dim))
+        values = ([layer.block_type for layer in layers], int(self.text_config.num_key_value_heads),
+                  int(attention.head_dim), int(linear.conv_dim), int(linear.conv_kernel_size) - 1,
+                  int(linear.num_v_heads), int(linear.head_k_dim), int(linear.head_v_dim))
+        return dict(zip(STATE_FIELDS, values, strict=True))
+
+    @property
+    def state_layout(self) -> StateLayout | None:
+        fields = self.state_fields
+        return None if fields is None else state_layout(fields)
 
     def graph(self, fused: bool = False, reference: bool = False) -> D3TextGraph:
         """The text graph's module: on the skeleton (what export traces), or with `reference` on the torch model's
@@ -228,7 +236,7 @@ class D3ExportConfig(ExportConfig):
         if layout is not None:
             past = torch.export.Dim("past", max=1 << 24)  # one length for every layer's keys and values
             names = layout.names("past")
-            growing = [name for name in names if "_key_" in name or "_value_" in name]  # [1, KV heads, P, D]
+            growing = layout.growing("past")  # [1, KV heads, P, D]
             text_shapes["states"] = tuple({2: past} if name in growing else None for name in names)
             inputs, outputs = inputs + names, outputs + layout.names("new")
             axes = {**axes, **{name: {2: "past"} for name in growing}}
@@ -400,7 +408,7 @@ class D3ExportConfig(ExportConfig):
         fields = {"attention_mode": self.attention_mode,
                   "num_attention_heads": int(self.text_config.num_attention_heads),
                   "hidden_size": int(self.text_config.hidden_size),
-                  **({"state": self.state_layout.manifest_fields()} if self.state_layout is not None else {}),
+                  **({"state": self.state_fields} if self.state_fields is not None else {}),
                   "vision": {**bits["image_processor"], "patch_size": vision.patch_size,
                              "temporal_patch_size": vision.temporal_patch_size,
                              "merge_size": vision.spatial_merge_size,

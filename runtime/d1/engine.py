@@ -28,7 +28,7 @@ from ..prompt import RenderedPrompt, render_texts
 from ..tokenizer import shared_prefix
 from .image_processor import Lfm2Image, Lfm2ImageConfig, placeholder_text
 from .images import D1ImageEncoder, expand_images, media_rows
-from .state import D1TextRunner, StateLayout
+from .state import D1TextRunner, layout_of
 
 # Option labels whose token ids are remembered: the same few (yes/no, digits, letters, common names) recur in almost
 # every request, and each is tried in several forms (16 questions: about 400 encodings, 4 ms on two cores).
@@ -69,10 +69,10 @@ class D1Engine(Engine):
         self.max_model_len = options.max_model_len or artifact.max_model_len
         # Whole prompts from an empty state (one-question requests' rows) replay CUDA graphs where the form allows.
         self.session = open_graph(artifact, "text", options, capture=True)
-        layout = StateLayout.from_manifest(fields)
-        self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget, layout.heads, options.slice_s)
+        self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget,
+                                  int(fields["num_attention_heads"]), options.slice_s)
         self.prefix_reuse = options.prefix_reuse
-        self.runner = D1TextRunner(self.session, layout, self.budget)
+        self.runner = D1TextRunner(self.session, self.budget, int(fields["hidden_size"]), layout_of(fields))
         self.vision_session = open_graph(artifact, "vision", options)
         vision = fields["vision"]
         self.media = D1ImageEncoder(self.vision_session, Lfm2ImageConfig.from_processor_config(vision),

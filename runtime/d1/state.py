@@ -10,48 +10,26 @@ right-padded batches on that snapshot.
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, drive, pad_right
 from ..session import GraphSession
+from ..text_state import Past, StateLayout, StateTensor
 
 
-@dataclass(frozen=True)
-class StateLayout:
-    """The decoder's layer kinds and state shapes, as the artifact manifest records them."""
-
-    layer_types: tuple[str, ...]
-    kv_heads: int
-    head_dim: int
-    heads: int
-    hidden: int
-    conv_window: int
-
-    @classmethod
-    def from_manifest(cls, fields: Mapping[str, Any]) -> StateLayout:
-        return cls(tuple(fields["layer_types"]), int(fields["num_key_value_heads"]), int(fields["head_dim"]),
-                   int(fields["num_attention_heads"]), int(fields["hidden_size"]), int(fields["conv_window"]))
-
-    def names(self, prefix: str) -> list[str]:
-        """Per decoder layer in order: `{prefix}_key_i`, `{prefix}_value_i` (attention) or `{prefix}_conv_i`."""
-        names = []
-        for i, kind in enumerate(self.layer_types):
-            names += ([f"{prefix}_key_{i}", f"{prefix}_value_{i}"] if kind == "full_attention"
-                      else [f"{prefix}_conv_{i}"])
-        return names
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The decoder state after `length` tokens of one prompt (batch 1): host arrays, or values already on the text
-    graph's device (`GraphSession.device_values`) where several reads feed it."""
-
-    length: int
-    states: tuple[Any, ...]
+def layout_of(fields: Mapping[str, Any]) -> StateLayout:
+    """The decoder's state (runtime/text_state.py), from the artifact manifest's model fields: an attention
+    layer's keys and values, a short-convolution layer's window."""
+    tensors = []
+    for layer, kind in enumerate(fields["layer_types"]):
+        if kind == "full_attention":
+            shape = (1, int(fields["num_key_value_heads"]), 0, int(fields["head_dim"]))
+            tensors += [StateTensor("key", layer, shape), StateTensor("value", layer, shape)]
+        else:
+            tensors.append(StateTensor("conv", layer, (1, int(fields["hidden_size"]), int(fields["conv_window"]))))
+    return StateLayout(tuple(tensors))
 
 
 READS = ("label_logprobs", "argmax")  # the text graph's outputs a read fetches; its new state is the rest
@@ -61,10 +39,11 @@ LABEL_SLOTS = 128
 
 
 class D1TextRunner:
-    def __init__(self, session: GraphSession, layout: StateLayout, budget: BatchBudget):
+    def __init__(self, session: GraphSession, budget: BatchBudget, hidden: int, layout: StateLayout):
         self.session = session
-        self.layout = layout
         self.budget = budget
+        self.hidden = hidden
+        self.layout = layout
         # How calls are grouped (`BatchBudget.plan`): the questions' suffixes differ a lot in length (a 26-option
         # choice against a yes/no), and a call's fixed part weighs against padding differently on each device.
         self.cost: CallCost | None = UNMEASURED_COST
@@ -72,33 +51,26 @@ class D1TextRunner:
         self.new_names = layout.names("new")
 
     # -- state -----------------------------------------------------------------------------------------------
-    def empty(self) -> Snapshot:
+    def empty(self) -> Past:
         """No tokens yet: no keys, zero convolution windows (the causal convolution's zero padding)."""
-        lay = self.layout
-        states = []
-        for kind in lay.layer_types:
-            if kind == "full_attention":
-                states += [np.zeros((1, lay.kv_heads, 0, lay.head_dim), np.float32)] * 2
-            else:
-                states.append(np.zeros((1, lay.hidden, lay.conv_window), np.float32))
-        return Snapshot(0, tuple(states))
+        return Past(0, self.layout.empty())
 
-    def feeds(self, ids: np.ndarray, last: np.ndarray, labels: np.ndarray, snapshot: Snapshot,
+    def feeds(self, ids: np.ndarray, last: np.ndarray, labels: np.ndarray, snapshot: Past,
               media: MediaRows | None) -> dict[str, Any]:
         """The text graph's inputs: `ids` [B, L] on `snapshot`, each row read at `last`, the log-probabilities of
         `labels`."""
-        rows = media if media is not None and len(media.positions) else MediaRows.none(self.layout.hidden)
+        rows = media if media is not None and len(media.positions) else MediaRows.none(self.hidden)
         feeds = {"input_ids": ids, **rows.feeds(), "last_index": last, "label_ids": labels}
-        feeds.update(zip(self.past_names, snapshot.states))
+        feeds.update(snapshot.states)
         return feeds
 
-    def extend(self, snapshot: Snapshot, ids: Sequence[int], media: MediaRows | None = None,
-               run_options=None) -> Snapshot:
+    def extend(self, snapshot: Past, ids: Sequence[int], media: MediaRows | None = None,
+               run_options=None) -> Past:
         """The snapshot after `ids` more tokens (media rows at prompt positions), prefilled chunk by chunk."""
         return drive(self.extending(snapshot, ids, media, run_options))
 
-    def extending(self, snapshot: Snapshot, ids: Sequence[int], media: MediaRows | None = None,
-                  run_options=None) -> Generator[None, None, Snapshot]:
+    def extending(self, snapshot: Past, ids: Sequence[int], media: MediaRows | None = None,
+                  run_options=None) -> Generator[None, None, Past]:
         """`extend` as steps, one chunk a step; a chunk is as long as the budgets and the time slice allow."""
         labels = np.zeros((1,), np.int64)
         start = 0
@@ -113,23 +85,16 @@ class D1TextRunner:
                 # One chunk from nothing: its new state is the whole state, left on the device for the reads
                 # (on a GPU it made a round trip through pageable host memory, tens of MB at d1-3B's size).
                 out = self.session.run_bound(feeds, run_options)
-                snapshot = Snapshot(size, self.session.held([out[name] for name in self.new_names]))
+                held = self.session.held([out[name] for name in self.new_names])
+                snapshot = Past(size, dict(zip(self.past_names, held, strict=True)))
             else:  # every output, through the binding: the snapshot's state may be on the device already
                 out = self.session.run(feeds, run_options, fetch=self.session.output_names)
-                snapshot = Snapshot(snapshot.length + size, self._append(snapshot, out[2:]))
+                snapshot = self.layout.after(snapshot, size, out[len(READS):])
             start += size
         return snapshot
 
-    @staticmethod
-    def _append(snapshot: Snapshot, new: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
-        states = []
-        for old, add in zip(snapshot.states, new):
-            old = old.numpy() if isinstance(old, ort.OrtValue) else old  # a device snapshot extended further
-            states.append(np.concatenate([old, add], axis=2) if old.ndim == 4 else add)
-        return tuple(states)
-
     # -- reads -----------------------------------------------------------------------------------------------
-    def _run_rows(self, base: Snapshot, rows: Sequence[Sequence[int]], labels: np.ndarray,
+    def _run_rows(self, base: Past, rows: Sequence[Sequence[int]], labels: np.ndarray,
                   media: MediaRows | None, run_options) -> tuple[np.ndarray, np.ndarray]:
         """One graph call: `rows` right-padded on `base`, media rows at the same positions in every row; the
         label log-probabilities and greedy token at each row's last token."""
@@ -137,7 +102,7 @@ class D1TextRunner:
         logprobs, argmax = self.session.run(self._row_feeds(base, rows, labels, media), run_options, fetch=READS)
         return logprobs, argmax
 
-    def _row_feeds(self, base: Snapshot, rows: Sequence[Sequence[int]], labels: np.ndarray,
+    def _row_feeds(self, base: Past, rows: Sequence[Sequence[int]], labels: np.ndarray,
                    media: MediaRows | None = None, width: int | None = None) -> dict[str, Any]:
         """The feeds of one call: `rows` right-padded (to `width` where given) on `base`, each read at its last
         token, media rows at the same positions in every row."""
@@ -147,7 +112,7 @@ class D1TextRunner:
         last = np.array([len(r) - 1 for r in rows], np.int64)
         return self.feeds(ids, last, labels, base, media)
 
-    def suffix_logprobs(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
+    def suffix_logprobs(self, snapshot: Past, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
                         run_options=None) -> tuple[np.ndarray, np.ndarray]:
         """Each suffix read on the snapshot: log-probabilities [len(suffixes), K] at `label_ids` and the greedy
         token [len(suffixes)] at each suffix's last token. Suffixes run in padded batches of similar lengths within
@@ -155,7 +120,7 @@ class D1TextRunner:
         snapshot first."""
         return drive(self.reading_suffixes(snapshot, suffixes, label_ids, run_options))
 
-    def reading_suffixes(self, snapshot: Snapshot, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
+    def reading_suffixes(self, snapshot: Past, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
                          run_options=None) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
         """`suffix_logprobs` as steps, one call a step."""
         labels = np.asarray(label_ids, dtype=np.int64)
@@ -174,7 +139,8 @@ class D1TextRunner:
             yield
         batches = self.budget.plan([len(suffixes[i]) for i in fitting], snapshot.length, self.cost)
         # The prefix's state goes to the device once, not once a batch.
-        snapshot = Snapshot(snapshot.length, self.session.device_values(snapshot.states))
+        snapshot = Past(snapshot.length, dict(zip(snapshot.states, self.session.device_values(
+            list(snapshot.states.values())), strict=True)))
         for number, batch in enumerate(batches):
             if number:
                 yield

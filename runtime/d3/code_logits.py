@@ -7,16 +7,14 @@ an empty state, and a request's questions can be read as suffixes on its shared 
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from ...models.errors import DeviceMemoryExhausted
 from ..batch import BatchBudget, CallCost, MediaRows, TextRow, drive, pad_right, run_in_halves
 from ..session import GraphSession
-from .state import D3StateLayout
+from ..text_state import Past, StateLayout
 
 CODE_LOGITS = ("code_logits",)  # what a call fetches; a causal graph's new state stays on the device
 
@@ -47,36 +45,24 @@ def row_feeds(rows: Sequence[TextRow], hidden: int, width: int | None = None) ->
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **media.feeds()}
 
 
-def _host(value: Any) -> np.ndarray:
-    return value.numpy() if isinstance(value, ort.OrtValue) else value
-
-
-@dataclass(frozen=True)
-class Prefix:
-    """The state after a prefix of `length` tokens (batch 1), on the text graph's device, for its suffixes."""
-
-    length: int
-    states: dict[str, Any]
-
-
 class CodeLogitsRunner:
-    def __init__(self, session: GraphSession, budget: BatchBudget, hidden: int, layout: D3StateLayout | None = None):
+    def __init__(self, session: GraphSession, budget: BatchBudget, hidden: int, layout: StateLayout | None = None):
         self.session = session
         self.budget = budget
         self.hidden = hidden
         self.cost: CallCost | None = None  # how rows of different lengths are grouped (`BatchBudget.plan`)
         self.layout = layout  # the state a causal graph carries; None: the graph takes none
-        self.empty: dict[str, np.ndarray] = layout.empty() if layout is not None else {}
-        self._empty_on_device: Prefix | None = None
+        self.empty: dict[str, np.ndarray] = layout.empty(read_only=True) if layout is not None else {}
+        self._empty_on_device: Past | None = None
 
-    def start(self) -> Prefix:
+    def start(self) -> Past:
         """The state of a prompt from its start, on the device once (d3-nano's zero recurrent states are 18 MB)."""
         if self._empty_on_device is None:
             values = self.session.device_values(list(self.empty.values()))
-            self._empty_on_device = Prefix(0, dict(zip(self.empty, values, strict=True)))
+            self._empty_on_device = Past(0, dict(zip(self.empty, values, strict=True)))
         return self._empty_on_device
 
-    def run_batch(self, rows: Sequence[TextRow], run_options=None, prefix: Prefix | None = None) -> np.ndarray:
+    def run_batch(self, rows: Sequence[TextRow], run_options=None, prefix: Past | None = None) -> np.ndarray:
         """One graph call: code logits [len(rows), n_codes] float32, in row order, on `prefix` where given (a
         causal graph; else from the start). Text-only rows from the start that fit a captured bucket are padded to
         it and replay its CUDA graph: filler rows of one token, every row padded to the bucket's length (exact:
@@ -99,12 +85,12 @@ class CodeLogitsRunner:
         (logits,) = self.session.run_captured(feeds, fetch=CODE_LOGITS if self.layout is not None else None)
         return logits[:len(rows)]
 
-    def prefill(self, row: TextRow, run_options=None) -> Prefix:
+    def prefill(self, row: TextRow, run_options=None) -> Past:
         """The state after `row` (a request's shared prefix, media rows and all) read from the start, left on the
         device for its suffixes."""
         return drive(self.prefilling(row, run_options))
 
-    def prefilling(self, row: TextRow, run_options=None) -> Generator[None, None, Prefix]:
+    def prefilling(self, row: TextRow, run_options=None) -> Generator[None, None, Past]:
         """`prefill` as steps: one call a chunk, each as long as the budgets and the time slice allow (one call
         where the prefix fits them), each chunk on the state the one before it left."""
         if self.layout is None:
@@ -121,28 +107,22 @@ class CodeLogitsRunner:
             start += size
         return prefix
 
-    def _after(self, prefix: Prefix, size: int, out: dict[str, Any]) -> Prefix:
-        """The state after a call of `size` tokens on `prefix`: its windows and recurrent states as the call left
-        them, its keys and values after the prefix's (a call's outputs hold its own keys and values only)."""
-        names = list(zip(self.layout.names("past"), self.layout.names("new"), strict=True))
+    def _after(self, prefix: Past, size: int, out: dict[str, Any]) -> Past:
+        """The state after a call of `size` tokens on `prefix`, on the device: the first call's outputs kept where
+        they are, a later one's joined to the prefix's on the host (`StateLayout.after`) and put back."""
+        new = [out[name] for name in self.layout.names("new")]
         if not prefix.length:
-            return Prefix(size, dict(zip((past for past, _ in names),
-                                         self.session.held([out[new] for _, new in names]), strict=True)))
-        states = []
-        for past, new in names:
-            value = _host(out[new])
-            if "_key_" in past or "_value_" in past:
-                value = np.concatenate([_host(prefix.states[past]), value], axis=2)
-            states.append(value)
-        return Prefix(prefix.length + size, dict(zip((past for past, _ in names), self.session.device_values(states),
-                                                     strict=True)))
+            return Past(size, dict(zip(self.layout.names("past"), self.session.held(new), strict=True)))
+        after = self.layout.after(prefix, size, new)
+        return Past(after.length, dict(zip(after.states, self.session.device_values(list(after.states.values())),
+                                           strict=True)))
 
-    def read_suffixes(self, prefix: Prefix, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
+    def read_suffixes(self, prefix: Past, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
         """Code logits [len(rows), n_codes] of `rows` (each a question's tokens after the prefix, with their
         positions) read on `prefix`, in padded calls within the budget."""
         return drive(self.reading_suffixes(prefix, rows, run_options))
 
-    def reading_suffixes(self, prefix: Prefix, rows: Sequence[TextRow], run_options=None
+    def reading_suffixes(self, prefix: Past, rows: Sequence[TextRow], run_options=None
                          ) -> Generator[None, None, np.ndarray]:
         """`read_suffixes` as steps, one call a step."""
         out: list[np.ndarray | None] = [None] * len(rows)

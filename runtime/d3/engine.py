@@ -26,7 +26,7 @@ from ..tokenizer import shared_prefix
 from .code_logits import CodeLogitsRunner, text_positions
 from .media import D3MediaEncoder, Preprocessed
 from .placeholders import VISION_END, expand_media, mrope_positions
-from .state import D3StateLayout
+from .state import layout_of
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class D3Engine(Engine):
                                   options.slice_s)
         self.session = open_graph(artifact, "text", options, capture=True)
         # None for a bidirectional artifact, or a causal one exported before prefix reuse: whole prompts only.
-        self.layout = D3StateLayout.from_manifest(fields)
+        self.layout = layout_of(fields)
         self.reads_prefixes = self.layout is not None
         self.prefix_reuse = options.prefix_reuse
         self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]), self.layout)
