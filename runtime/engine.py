@@ -71,9 +71,11 @@ def open_graph(artifact: Artifact, name: str, options: EngineOptions, capture: b
 
 
 class Engine(ABC):
+    artifact: Artifact
     family: Family
     max_model_len: int
     session: GraphSession  # the text graph's
+    vision_session: GraphSession
     unsupported: str | None = None  # why the model cannot serve decisions at all, if it cannot
     media: MediaEncoder[Any] | None = None  # how its images and videos are loaded and encoded, if it takes any
     shares_batches: bool = False  # whether its questions' rows may share a graph call with other requests' rows
@@ -86,7 +88,14 @@ class Engine(ABC):
 
     @abstractmethod
     def __init__(self, artifact: Artifact, options: EngineOptions):
-        """Open the artifact's graphs on `options.device`."""
+        """Open the artifact's graphs on `options.device`: here its text graph (small runs captured as CUDA graphs
+        where the form allows) and its vision graph; a family's engine adds its runner and media encoder."""
+        self.artifact = artifact
+        self.family = artifact.family
+        self.prefix_reuse = options.prefix_reuse
+        self.max_chars_per_token = artifact.tokenizer.max_token_chars()
+        self.session = open_graph(artifact, "text", options, capture=True)
+        self.vision_session = open_graph(artifact, "vision", options)
 
     def draft(self, request: DecisionRequest, questions: list[Question]) -> Any:
         """The part of `prepare` that needs no media (prompts rendered and tokenized), which the caller runs while

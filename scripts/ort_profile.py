@@ -126,7 +126,7 @@ def main() -> None:
         runner = D1TextRunner(None, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
         ids = rng.integers(0, 60_000, (args.batch, args.length))
         feeds = runner.feeds(ids, np.full(args.batch, args.length - 1), np.arange(5, dtype=np.int64),
-                             runner.empty(), None)
+                             runner.start(), None)
         fetch = None if args.all_outputs else list(READS)
     else:
         prompts = [rng.integers(0, 150_000, args.length).tolist() for _ in range(args.batch)]

@@ -15,7 +15,7 @@ from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
 from systemone.runtime.cuda_graphs import GRAPH_ID, CaptureBuckets, CapturedRuns, uncaptured
 from systemone.runtime.d1.state import LABEL_SLOTS, READS, D1TextRunner, layout_of
-from systemone.runtime.d3.code_logits import CodeLogitsRunner, row_feeds, text_positions
+from systemone.runtime.d3.code_logits import D3TextRunner, row_feeds, text_positions
 from systemone.runtime.session import GraphSession
 
 
@@ -58,9 +58,9 @@ class RecordingSession(GraphSession):
 def test_rows_padded_to_a_bucket_get_the_logits_they_get_alone(d3_artifact):
     artifact = Artifact.load(d3_artifact)
     hidden = int(artifact.manifest.model["hidden_size"])
-    plain = CodeLogitsRunner(GraphSession(d3_artifact / "text.onnx", "cpu"), BatchBudget(), hidden)
+    plain = D3TextRunner(GraphSession(d3_artifact / "text.onnx", "cpu"), BatchBudget(), hidden)
     padded_session = RecordingSession(d3_artifact / "text.onnx", CaptureBuckets(batches=(4,), lengths=(64,)))
-    padded = CodeLogitsRunner(padded_session, BatchBudget(), hidden)
+    padded = D3TextRunner(padded_session, BatchBudget(), hidden)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 5000, n).tolist() for n in (5, 17, 40)]
     rows = [TextRow(p, text_positions(len(p))) for p in prompts]
@@ -113,7 +113,7 @@ def test_the_state_no_one_reads_goes_to_one_scratch_buffer_shared_by_every_shape
 
     def feeds(batch: int, width: int) -> dict:
         rows = [rng.integers(0, 5000, rng.integers(1, width + 1)).tolist() for _ in range(batch)]
-        return runner._row_feeds(runner.empty(), rows, labels, width=width)
+        return runner._row_feeds(runner.start(), rows, labels, width=width)
 
     def check(shape_feeds: dict) -> None:
         got = runs.run(shape_feeds, reads)
@@ -186,7 +186,7 @@ def test_every_shape_reads_one_device_copy_of_causal_d3s_zero_state(d3_causal_ar
 
     fields = Artifact.load(d3_causal_artifact).manifest.model
     session = GraphSession(d3_causal_artifact / "text.onnx", "cpu")
-    runner = CodeLogitsRunner(session, BatchBudget(), int(fields["hidden_size"]), d3_state.layout_of(fields))
+    runner = D3TextRunner(session, BatchBudget(), int(fields["hidden_size"]), d3_state.layout_of(fields))
     runs = CapturedRuns(session.session, device="cpu")
     rng = np.random.default_rng(0)
 
@@ -242,19 +242,19 @@ def test_a_prefix_state_kept_past_its_run_leaves_a_capturing_sessions_arena(d1_a
                          int(fields["hidden_size"]), layout_of(fields))
     session = CapturingOnCpu(d1_artifact / "text.onnx")
     capturing = D1TextRunner(session, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
-    kept, want = capturing.extend(capturing.empty(), ids), plain.extend(plain.empty(), ids)
+    kept, want = capturing.prefill(capturing.start(), ids), plain.prefill(plain.start(), ids)
     assert session.given and not any(state is given for state in kept.states.values() for given in session.given)
     assert all(np.array_equal(np.asarray(k.numpy()), np.asarray(w.numpy() if hasattr(w, "numpy") else w))
                for k, w in zip(kept.states.values(), want.states.values(), strict=True))
     suffixes, labels = [rng.integers(0, 5000, 3).tolist()], [5, 17]
-    assert np.array_equal(capturing.suffix_logprobs(kept, suffixes, labels)[0],
-                          plain.suffix_logprobs(want, suffixes, labels)[0])
+    assert np.array_equal(capturing.read_suffixes(kept, suffixes, labels)[0],
+                          plain.read_suffixes(want, suffixes, labels)[0])
 
     fields = Artifact.load(d3_causal_artifact).manifest.model
     hidden, d3_layout = int(fields["hidden_size"]), d3_state.layout_of(fields)
     session = CapturingOnCpu(d3_causal_artifact / "text.onnx")
-    prefix = CodeLogitsRunner(session, BatchBudget(), hidden, d3_layout).prefill(TextRow(ids, text_positions(len(ids))))
-    want = CodeLogitsRunner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), BatchBudget(), hidden,
-                            d3_layout).prefill(TextRow(ids, text_positions(len(ids))))
+    prefix = D3TextRunner(session, BatchBudget(), hidden, d3_layout).prefill(TextRow(ids, text_positions(len(ids))))
+    want = D3TextRunner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), BatchBudget(), hidden,
+                        d3_layout).prefill(TextRow(ids, text_positions(len(ids))))
     assert session.given and not any(state is given for state in prefix.states.values() for given in session.given)
     assert all(np.array_equal(prefix.states[name].numpy(), want.states[name].numpy()) for name in want.states)

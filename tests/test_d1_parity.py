@@ -1,5 +1,5 @@
 """Answer parity on CPU for d1 (spec 3.7, 3.8; issue: state prefix reuse): the runtime, which prefills a request's
-shared prefix once and reads the questions as suffixes on that snapshot, against transformers' LFM2-VL run on each
+shared prefix once and reads the questions as suffixes on its state, against transformers' LFM2-VL run on each
 question's whole prompt with its own vision tower."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_onnx_with_prefix_reuse_matches_torch_on_210_questions(d1_service, refer
 
 
 def test_prefix_reuse_reads_what_whole_prompts_read(d1_service):
-    """Reuse changes no token and no number beyond float noise: suffix reads on the prefix snapshot equal the whole
+    """Reuse changes no token and no number beyond float noise: suffix reads on the prefix's state equal the whole
     prompts read from an empty state (16 questions, a long state and a 1024x1024 image)."""
     prepared = d1_service.prepare(sixteen_questions(True))
     reused = reads(d1_service, prepared, reuse_prefix=True)
@@ -82,7 +82,7 @@ def test_a_one_question_text_request_is_one_graph_call(d1_service):
     ids = prepared.prompts[0].token_ids
     runner = d1_service.engine.runner
     labels = sorted({i for g in prepared.labels for i in g.ids})
-    logprobs, _ = runner.suffix_logprobs(runner.extend(runner.empty(), ids[:-1]), [ids[-1:]], labels)
+    logprobs, _ = runner.read_suffixes(runner.prefill(runner.start(), ids[:-1]), [ids[-1:]], labels)
     prefilled = d1_service.family.read(prepared.questions[0], prepared.labels[0],
                                        Readout(dict(zip(labels, logprobs[0].tolist())), 0))
     assert np.abs(np.array(one_call.probs) - np.array(prefilled.probs)).max() < 1e-5
@@ -146,7 +146,7 @@ def test_with_prefix_reuse_off_every_whole_prompt_is_read_with_the_same_answers(
 
     service = DecisionService(Artifact.load(d1_artifact), EngineOptions(device="cpu", prefix_reuse=False),
                               served_model_names=["LiquidAI/d1-tiny"])
-    monkeypatch.setattr(service.engine.runner, "extending", lambda *a, **k: pytest.fail("a prefix was prefilled"))
+    monkeypatch.setattr(service.engine.runner, "prefilling", lambda *a, **k: pytest.fail("a prefix was prefilled"))
     try:
         for body in (sixteen_questions(True), sixteen_questions(False)):
             assert service.engine.runs_whole(service.prepare(body)) == ("images" in body)

@@ -17,7 +17,7 @@ from systemone.export.pipeline import add_forms
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, CallCost, MediaRows, TextRow
-from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
+from systemone.runtime.d3.code_logits import D3TextRunner, text_positions
 from systemone.runtime.d3 import state as d3_state
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
@@ -32,10 +32,10 @@ def causal_service(d3_causal_artifact) -> DecisionService:
     return DecisionService(Artifact.load(d3_causal_artifact), EngineOptions(device="cpu"))
 
 
-def runner_for(artifact, graph: str = "text.onnx") -> CodeLogitsRunner:
+def runner_for(artifact, graph: str = "text.onnx") -> D3TextRunner:
     fields = json.loads((artifact / "manifest.json").read_text())
-    return CodeLogitsRunner(GraphSession(artifact / graph, "cpu"), BatchBudget(), int(fields["hidden_size"]),
-                            d3_state.layout_of(fields))
+    return D3TextRunner(GraphSession(artifact / graph, "cpu"), BatchBudget(), int(fields["hidden_size"]),
+                        d3_state.layout_of(fields))
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -52,8 +52,8 @@ def test_a_prefix_prefilled_in_chunks_of_the_time_slice_reads_as_one_call(d3_cau
     1 ms a token and a 0.3 s slice, 300 tokens), each on the state the last left, keys and values appended, media
     rows among them: its suffixes read as on the prefix prefilled in one call."""
     fields = json.loads((d3_causal_artifact / "manifest.json").read_text())
-    sliced = CodeLogitsRunner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), BatchBudget(slice_s=0.3),
-                              int(fields["hidden_size"]), d3_state.layout_of(fields))
+    sliced = D3TextRunner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), BatchBudget(slice_s=0.3),
+                          int(fields["hidden_size"]), d3_state.layout_of(fields))
     sliced.cost = CallCost(fixed_s=0.0, token_s=1e-3)
     whole = runner_for(d3_causal_artifact)
     rng = np.random.default_rng(7)

@@ -496,7 +496,7 @@ def test_a_fused_form_question_answers_alike_alone_and_beside_longer_rows(mode, 
     """Right padding changes no row's code logits through the fused attention (half precision: within 2e-3),
     the scheduler's promise that an answer does not depend on its batch mates."""
     from systemone.runtime.batch import BatchBudget, TextRow
-    from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
+    from systemone.runtime.d3.code_logits import D3TextRunner, text_positions
     from systemone.runtime.d3 import state as d3_state
     from systemone.runtime.session import GraphSession
 
@@ -504,8 +504,8 @@ def test_a_fused_form_question_answers_alike_alone_and_beside_longer_rows(mode, 
     loaded = Artifact.load(artifact)
     form = loaded.forms_for("cuda")[0]
     fields = loaded.manifest.model
-    runner = CodeLogitsRunner(GraphSession(artifact / f"text.{form}.onnx", "cpu"), BatchBudget(),
-                              int(fields["hidden_size"]), d3_state.layout_of(fields))
+    runner = D3TextRunner(GraphSession(artifact / f"text.{form}.onnx", "cpu"), BatchBudget(),
+                          int(fields["hidden_size"]), d3_state.layout_of(fields))
     rng = np.random.default_rng(0)
     rows = [TextRow(rng.integers(0, 5000, n).tolist(), text_positions(n)) for n in (9, 41, 23)]
     together = runner.run_batch(rows)  # one right-padded call of 41 tokens
@@ -614,12 +614,12 @@ def test_a_d1_fused_form_suffix_reads_alike_alone_and_beside_longer_rows(d1_arti
                           int(fields["hidden_size"]), layout_of(fields))
     runner.cost = None  # calls filled as far as the budgets allow: the three suffixes in one call
     rng = np.random.default_rng(0)
-    snapshot = runner.extend(runner.empty(), rng.integers(0, 5000, 57).tolist())
+    past = runner.prefill(runner.start(), rng.integers(0, 5000, 57).tolist())
     suffixes = [rng.integers(0, 5000, n).tolist() for n in (4, 19, 11)]
     labels = [5, 17, 300]
-    assert runner.budget.plan([len(s) for s in suffixes], snapshot.length) == [[1, 2, 0]]
-    together = runner.suffix_logprobs(snapshot, suffixes, labels)[0]
-    alone = np.concatenate([runner.suffix_logprobs(snapshot, [s], labels)[0] for s in suffixes])
+    assert runner.budget.plan([len(s) for s in suffixes], past.length) == [[1, 2, 0]]
+    together = runner.read_suffixes(past, suffixes, labels)[0]
+    alone = np.concatenate([runner.read_suffixes(past, [s], labels)[0] for s in suffixes])
     assert np.abs(together - alone).max() <= 2e-3
 
 

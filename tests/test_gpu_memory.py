@@ -18,7 +18,7 @@ from systemone.models.errors import DeviceMemoryExhausted, Unavailable
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
 from systemone.runtime.batch_sizing import TooLittleDeviceMemory, measure_batch_rows
-from systemone.runtime.d3.code_logits import CodeLogitsRunner, text_positions
+from systemone.runtime.d3.code_logits import D3TextRunner, text_positions
 from systemone.runtime.deadline import Deadline
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.scheduler import Scheduler
@@ -58,9 +58,9 @@ def rows_of(lengths: list[int]) -> list[TextRow]:
 
 def test_a_call_the_arena_cannot_hold_runs_again_in_halves(d3_artifact):
     hidden = int(Artifact.load(d3_artifact).manifest.model["hidden_size"])
-    plain = CodeLogitsRunner(GraphSession(d3_artifact / "text.onnx", "cpu"), BatchBudget(), hidden)
+    plain = D3TextRunner(GraphSession(d3_artifact / "text.onnx", "cpu"), BatchBudget(), hidden)
     bounded_session = BoundedSession(d3_artifact / "text.onnx", most_rows=2)
-    bounded = CodeLogitsRunner(bounded_session, BatchBudget(), hidden)
+    bounded = D3TextRunner(bounded_session, BatchBudget(), hidden)
     rows = rows_of([9, 30, 12, 25, 7])
     assert np.abs(bounded.run_rows(rows) - plain.run_rows(rows)).max() <= 1e-5
     assert bounded_session.calls == [5, 2, 3, 1, 2]  # 5 -> 2 + 3, and 3 -> 1 + 2
@@ -68,7 +68,7 @@ def test_a_call_the_arena_cannot_hold_runs_again_in_halves(d3_artifact):
 
 def test_a_row_the_arena_cannot_hold_is_retryable_not_an_internal_error(d3_artifact):
     hidden = int(Artifact.load(d3_artifact).manifest.model["hidden_size"])
-    runner = CodeLogitsRunner(BoundedSession(d3_artifact / "text.onnx", most_rows=0), BatchBudget(), hidden)
+    runner = D3TextRunner(BoundedSession(d3_artifact / "text.onnx", most_rows=0), BatchBudget(), hidden)
     with pytest.raises(DeviceMemoryExhausted, match="--gpu-memory") as raised:
         runner.run_rows(rows_of([9]))
     assert isinstance(raised.value, Unavailable)

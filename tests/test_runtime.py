@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from systemone.runtime.batch import BatchBudget, MediaRows, TextRow
-from systemone.runtime.d3.code_logits import CodeLogitsRunner, code_logit_feeds, row_feeds, text_positions
+from systemone.runtime.d3.code_logits import D3TextRunner, code_logit_feeds, row_feeds, text_positions
 from systemone.runtime.devices import ProviderUnavailable, pick_providers
 from systemone.runtime.session import GEMM_OPTIONS, GraphSession, reduce_products_in_fp32, resolve_providers
 
@@ -93,7 +93,7 @@ def test_pad_batch_right_pads_with_mask_and_positions():
 
 
 def test_batches_respect_the_token_budget():
-    runner = CodeLogitsRunner(None, BatchBudget(max_batch_tokens=100), hidden=0)
+    runner = D3TextRunner(None, BatchBudget(max_batch_tokens=100), hidden=0)
     groups = runner.budget.plan([10, 60, 30, 50, 5])
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
     lengths = [10, 60, 30, 50, 5]
@@ -109,7 +109,7 @@ def test_runner_returns_rows_in_prompt_order():
         def run(self, feeds, run_options=None):
             return [np.stack([feeds["input_ids"][:, 0], feeds["attention_mask"].sum(1)], axis=1).astype(np.float32)]
 
-    runner = CodeLogitsRunner(Echo(), BatchBudget(max_batch_tokens=8), hidden=0)
+    runner = D3TextRunner(Echo(), BatchBudget(max_batch_tokens=8), hidden=0)
     out = runner.run([[1, 1], [2], [3, 3, 3, 3, 3], [4, 4]])
     assert out.tolist() == [[1, 2], [2, 1], [3, 5], [4, 2]]
 

@@ -1,7 +1,7 @@
 """d1 graphs -> ONNX, checked against the torch model before anything is written (spec 3.7, 3.8).
 
 The text graph is checked the way the runtime uses it: every sample read both from an empty state in one padded
-batch and as a suffix on a prefilled prefix snapshot, against transformers' LFM2-VL on the whole prompt (its
+batch and as a suffix on a prefilled prefix, against transformers' LFM2-VL on the whole prompt (its
 full-vocabulary log-softmax at the last token, compared at every label id the family can ask for, and its greedy
 token). The vision graph is checked against LFM2-VL's own image features on crops of several grids.
 """
@@ -60,7 +60,7 @@ def label_ids(encode: Callable[[str], list[int]]) -> list[int]:
 
 def check_text_parity(runner: D1TextRunner, config: D1Reference, prompts: list[tuple[str, list[int]]], labels: list[int],
                       atol: float, seed: int) -> dict[str, Any]:
-    """Graph vs torch on every sample, from an empty state (batched) and as a suffix on a prefix snapshot."""
+    """Graph vs torch on every sample, from an empty state (batched) and as a suffix on a prefix."""
     rng = np.random.default_rng(seed)
     hidden = config.text_config.hidden_size
     media = MediaRows(rng.standard_normal((6, hidden)).astype(np.float32), np.arange(3, 9, dtype=np.int64))
@@ -79,13 +79,13 @@ def check_text_parity(runner: D1TextRunner, config: D1Reference, prompts: list[t
         compare(label, ids, got, top, "whole prompt", ref)
         if len(ids) > 1:
             split = len(ids) // 2
-            snapshot = runner.extend(runner.empty(), ids[:split])
-            (got_suffix,), (top_suffix,) = runner.suffix_logprobs(snapshot, [ids[split:]], labels)
+            past = runner.prefill(runner.start(), ids[:split])
+            (got_suffix,), (top_suffix,) = runner.read_suffixes(past, [ids[split:]], labels)
             compare(label, ids, got_suffix, top_suffix, f"suffix after {split}", ref)
     ref = config.reference_logprobs(media_ids, media.embeds, media.positions)
     compare("media-embeds", media_ids, media_full[0], media_top[0], "whole prompt", ref)
-    snapshot = runner.extend(runner.empty(), media_ids[:20], media)
-    (got_suffix,), (top_suffix,) = runner.suffix_logprobs(snapshot, [media_ids[20:]], labels)
+    past = runner.prefill(runner.start(), media_ids[:20], media)
+    (got_suffix,), (top_suffix,) = runner.read_suffixes(past, [media_ids[20:]], labels)
     compare("media-embeds", media_ids, got_suffix, top_suffix, "suffix after 20", ref)
     worst = max(rows, key=lambda r: r["max_abs_logprob_diff"])
     bad = [r for r in rows if r["max_abs_logprob_diff"] > atol or not r["same_argmax"]]

@@ -4,7 +4,7 @@ One graph serves both halves of a d1 request (spec 3.7; issue: state prefix reus
 
 * prefill: the shared prompt prefix (state, images) of one request, batch 1, no past (empty KV, zero conv state);
   it returns the prefix's new keys/values and conv states;
-* suffixes: every question's remaining tokens as a right-padded batch on that snapshot; the past has batch 1 and
+* suffixes: every question's remaining tokens as a right-padded batch on that state; the past has batch 1 and
   is broadcast to the batch inside the graph (queries of every row read the same past keys, nothing is copied).
 
 Inputs:  input_ids [B, T] int64, media_embeds [M, hidden] float32, media_index [M] int64 (flat positions in B*T),

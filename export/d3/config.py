@@ -15,7 +15,7 @@ import torch
 
 from ...models.d3 import D3Family, DecisionConfig
 from ...runtime.batch import BatchBudget, MediaRows, TextRow
-from ...runtime.d3.code_logits import CodeLogitsRunner, text_positions
+from ...runtime.d3.code_logits import D3TextRunner, text_positions
 from ...runtime.d3.state import LINEAR, STATE_FIELDS, state_layout
 from ...runtime.text_state import StateLayout
 from ...runtime.d3.vision_inputs import vision_inputs
@@ -347,8 +347,8 @@ class D3ExportConfig(ExportConfig):
                 reference(ids)
             reference(samples[0][1], media)
             self.release_reference()
-            runner = CodeLogitsRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(), hidden,
-                                      self.state_layout)
+            runner = D3TextRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(), hidden,
+                                  self.state_layout)
             args = (self.decision_config.temperature, atol, prob_atol)
             report = check_parity(lambda batch, media=None: runner.run(batch, media=media), reference, prompts,
                                   *args, media_samples=samples)

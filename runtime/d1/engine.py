@@ -1,5 +1,5 @@
 """Family d1 on onnxruntime: the Liquid prompts of a request, its shared prefix prefilled once, the questions read
-as suffixes on that snapshot (spec 3).
+as suffixes on its state (spec 3).
 
 Order of the checks, as vLLM runs them (spec 1.3 step 8): images fetched and read, then every question's prompt
 rendered, tokenized and checked for length (3.9) and its generation tail (3.5), then every question's label groups
@@ -22,7 +22,7 @@ from ...models.questions import QUESTION_TYPES, Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
 from ..batch import UNMEASURED_COST, BatchBudget, CallCost, TextRow, drive
-from ..engine import Engine, EngineOptions, Prepared, open_graph
+from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
 from ..tokenizer import shared_prefix
@@ -61,24 +61,18 @@ class D1Engine(Engine):
     reads_prefixes = True
 
     def __init__(self, artifact: Artifact, options: EngineOptions):
+        super().__init__(artifact, options)
         fields = artifact.manifest.model
-        self.artifact = artifact
-        self.family = artifact.family
         self.tokenizer = artifact.tokenizer
         # The graph reads a prefix chunk by chunk and its KV cache grows linearly: the context is the model's.
         self.max_model_len = options.max_model_len or artifact.max_model_len
-        # Whole prompts from an empty state (one-question requests' rows) replay CUDA graphs where the form allows.
-        self.session = open_graph(artifact, "text", options, capture=True)
         self.budget = BatchBudget(options.max_batch_tokens, options.attention_budget,
                                   int(fields["num_attention_heads"]), options.slice_s)
-        self.prefix_reuse = options.prefix_reuse
         self.runner = D1TextRunner(self.session, self.budget, int(fields["hidden_size"]), layout_of(fields))
-        self.vision_session = open_graph(artifact, "vision", options)
         vision = fields["vision"]
         self.media = D1ImageEncoder(self.vision_session, Lfm2ImageConfig.from_processor_config(vision),
                                     np.load(artifact.root / vision["positions_file"]), options.fetch_policy)
         self.image_token_id = int(fields["image_token_id"])
-        self.max_chars_per_token = self.tokenizer.max_token_chars()
         self.tail = self._generation_tail()
         self._cached_label_ids = lru_cache(maxsize=LABEL_CACHE)(lambda text: tuple(self.tokenizer.encode(text)))
         # An image's placeholder depends only on its tile grid: images of one size, as a camera or the bench sends
@@ -227,9 +221,9 @@ class D1Engine(Engine):
             split = shared_prefix(ids) if len(ids) > 1 or media is not None or slow else 0
             if media is not None and len(media.positions) and media.positions[-1] >= split:
                 raise RuntimeError("image rows past the shared prefix")
-            snapshot = yield from self.runner.extending(self.runner.empty(), ids[0][:split], media, run_options)
+            past = yield from self.runner.prefilling(self.runner.start(), ids[0][:split], media, run_options)
             yield
-            logprobs, argmax = yield from self.runner.reading_suffixes(snapshot, [p[split:] for p in ids], label_ids,
+            logprobs, argmax = yield from self.runner.reading_suffixes(past, [p[split:] for p in ids], label_ids,
                                                                        run_options)
         else:
             logprobs, argmax = yield from self.runner.reading_wholes(ids, label_ids, media, run_options)

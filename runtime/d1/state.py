@@ -4,7 +4,7 @@ The graph (export/lfm2_text.py) takes the LFM2 state of everything before its to
 the short-convolution windows, batch 1) and returns the label log-probabilities and greedy token at each row's last
 token, plus the state its own tokens add. A prefix is prefilled in chunks (each within the attention-memory
 budget), so a long state with images never materialises one huge score matrix; the questions then run as
-right-padded batches on that snapshot.
+right-padded batches on its state (runtime/text_state.py).
 """
 
 from __future__ import annotations
@@ -51,47 +51,47 @@ class D1TextRunner:
         self.new_names = layout.names("new")
 
     # -- state -----------------------------------------------------------------------------------------------
-    def empty(self) -> Past:
+    def start(self) -> Past:
         """No tokens yet: no keys, zero convolution windows (the causal convolution's zero padding)."""
         return Past(0, self.layout.empty())
 
-    def feeds(self, ids: np.ndarray, last: np.ndarray, labels: np.ndarray, snapshot: Past,
+    def feeds(self, ids: np.ndarray, last: np.ndarray, labels: np.ndarray, past: Past,
               media: MediaRows | None) -> dict[str, Any]:
-        """The text graph's inputs: `ids` [B, L] on `snapshot`, each row read at `last`, the log-probabilities of
+        """The text graph's inputs: `ids` [B, L] on `past`, each row read at `last`, the log-probabilities of
         `labels`."""
         rows = media if media is not None and len(media.positions) else MediaRows.none(self.hidden)
         feeds = {"input_ids": ids, **rows.feeds(), "last_index": last, "label_ids": labels}
-        feeds.update(snapshot.states)
+        feeds.update(past.states)
         return feeds
 
-    def extend(self, snapshot: Past, ids: Sequence[int], media: MediaRows | None = None,
-               run_options=None) -> Past:
-        """The snapshot after `ids` more tokens (media rows at prompt positions), prefilled chunk by chunk."""
-        return drive(self.extending(snapshot, ids, media, run_options))
+    def prefill(self, past: Past, ids: Sequence[int], media: MediaRows | None = None,
+                run_options=None) -> Past:
+        """The past after `ids` more tokens (media rows at prompt positions), prefilled chunk by chunk."""
+        return drive(self.prefilling(past, ids, media, run_options))
 
-    def extending(self, snapshot: Past, ids: Sequence[int], media: MediaRows | None = None,
-                  run_options=None) -> Generator[None, None, Past]:
-        """`extend` as steps, one chunk a step; a chunk is as long as the budgets and the time slice allow."""
+    def prefilling(self, past: Past, ids: Sequence[int], media: MediaRows | None = None,
+                   run_options=None) -> Generator[None, None, Past]:
+        """`prefill` as steps, one chunk a step; a chunk is as long as the budgets and the time slice allow."""
         labels = np.zeros((1,), np.int64)
         start = 0
         while start < len(ids):
             if start:
                 yield
-            size = min(self.budget.chunk_length(snapshot.length, self.cost), len(ids) - start)
+            size = min(self.budget.chunk_length(past.length, self.cost), len(ids) - start)
             chunk = np.asarray(ids[start:start + size], dtype=np.int64)[None]
-            rows = None if media is None else media.window(snapshot.length, snapshot.length + size)
-            feeds = self.feeds(chunk, np.array([size - 1]), labels, snapshot, rows)
-            if snapshot.length == 0 and size == len(ids):
+            rows = None if media is None else media.window(past.length, past.length + size)
+            feeds = self.feeds(chunk, np.array([size - 1]), labels, past, rows)
+            if past.length == 0 and size == len(ids):
                 # One chunk from nothing: its new state is the whole state, left on the device for the reads
                 # (on a GPU it made a round trip through pageable host memory, tens of MB at d1-3B's size).
                 out = self.session.run_bound(feeds, run_options)
                 held = self.session.held([out[name] for name in self.new_names])
-                snapshot = Past(size, dict(zip(self.past_names, held, strict=True)))
-            else:  # every output, through the binding: the snapshot's state may be on the device already
+                past = Past(size, dict(zip(self.past_names, held, strict=True)))
+            else:  # every output, through the binding: the past's state may be on the device already
                 out = self.session.run(feeds, run_options, fetch=self.session.output_names)
-                snapshot = self.layout.after(snapshot, size, out[len(READS):])
+                past = self.layout.after(past, size, out[len(READS):])
             start += size
-        return snapshot
+        return past
 
     # -- reads -----------------------------------------------------------------------------------------------
     def _run_rows(self, base: Past, rows: Sequence[Sequence[int]], labels: np.ndarray,
@@ -112,40 +112,40 @@ class D1TextRunner:
         last = np.array([len(r) - 1 for r in rows], np.int64)
         return self.feeds(ids, last, labels, base, media)
 
-    def suffix_logprobs(self, snapshot: Past, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
+    def read_suffixes(self, past: Past, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
                         run_options=None) -> tuple[np.ndarray, np.ndarray]:
-        """Each suffix read on the snapshot: log-probabilities [len(suffixes), K] at `label_ids` and the greedy
+        """Each suffix read on the past: log-probabilities [len(suffixes), K] at `label_ids` and the greedy
         token [len(suffixes)] at each suffix's last token. Suffixes run in padded batches of similar lengths within
         the budgets; one too long for a batch of its own is prefilled (all but its last chunk) on a copy of the
-        snapshot first."""
-        return drive(self.reading_suffixes(snapshot, suffixes, label_ids, run_options))
+        past first."""
+        return drive(self.reading_suffixes(past, suffixes, label_ids, run_options))
 
-    def reading_suffixes(self, snapshot: Past, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
+    def reading_suffixes(self, past: Past, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
                          run_options=None) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
-        """`suffix_logprobs` as steps, one call a step."""
+        """`read_suffixes` as steps, one call a step."""
         labels = np.asarray(label_ids, dtype=np.int64)
         logprobs = np.zeros((len(suffixes), len(labels)), np.float32)
         argmax = np.zeros((len(suffixes),), np.int64)
         fitting = []
         for index, suffix in enumerate(suffixes):
             n = len(suffix)
-            if self.budget.fits(1, n, snapshot.length):
+            if self.budget.fits(1, n, past.length):
                 fitting.append(index)
                 continue
-            keep = self.budget.chunk_length(snapshot.length + n)  # the last chunk, read on the extended state
-            own = yield from self.extending(snapshot, suffix[:n - keep], run_options=run_options)
+            keep = self.budget.chunk_length(past.length + n)  # the last chunk, read on the extended state
+            own = yield from self.prefilling(past, suffix[:n - keep], run_options=run_options)
             yield
             logprobs[[index]], argmax[[index]] = self._run_rows(own, [suffix[n - keep:]], labels, None, run_options)
             yield
-        batches = self.budget.plan([len(suffixes[i]) for i in fitting], snapshot.length, self.cost)
+        batches = self.budget.plan([len(suffixes[i]) for i in fitting], past.length, self.cost)
         # The prefix's state goes to the device once, not once a batch.
-        snapshot = Past(snapshot.length, dict(zip(snapshot.states, self.session.device_values(
-            list(snapshot.states.values())), strict=True)))
+        past = Past(past.length, dict(zip(past.states, self.session.device_values(
+            list(past.states.values())), strict=True)))
         for number, batch in enumerate(batches):
             if number:
                 yield
             rows = [fitting[i] for i in batch]
-            logprobs[rows], argmax[rows] = self._run_rows(snapshot, [suffixes[i] for i in rows], labels, None,
+            logprobs[rows], argmax[rows] = self._run_rows(past, [suffixes[i] for i in rows], labels, None,
                                                           run_options)
         return logprobs, argmax
 
@@ -160,11 +160,11 @@ class D1TextRunner:
         bucket = (self.session.capture_shape(len(prompts), max(len(p) for p in prompts))
                   if 0 < len(labels) <= LABEL_SLOTS else None)
         if bucket is None:
-            return self._run_rows(self.empty(), prompts, labels, None, run_options)
+            return self._run_rows(self.start(), prompts, labels, None, run_options)
         batch, width = bucket
         rows = [*prompts, *[[0]] * (batch - len(prompts))]
         slots = np.concatenate([labels, np.full(LABEL_SLOTS - len(labels), labels[0], np.int64)])
-        logprobs, argmax = self.session.run_captured(self._row_feeds(self.empty(), rows, slots, width=width),
+        logprobs, argmax = self.session.run_captured(self._row_feeds(self.start(), rows, slots, width=width),
                                                      fetch=READS)
         return logprobs[:len(prompts), :len(labels)], argmax[:len(prompts)]
 
@@ -186,7 +186,7 @@ class D1TextRunner:
         labels = np.asarray(label_ids, dtype=np.int64)
         logprobs = np.zeros((len(prompts), len(labels)), np.float32)
         argmax = np.zeros((len(prompts),), np.int64)
-        empty = self.empty()
+        empty = self.start()
         for number, rows in enumerate(self.budget.plan([len(p) for p in prompts], 0, self.cost)):
             if number:
                 yield

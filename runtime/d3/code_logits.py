@@ -45,7 +45,7 @@ def row_feeds(rows: Sequence[TextRow], hidden: int, width: int | None = None) ->
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **media.feeds()}
 
 
-class CodeLogitsRunner:
+class D3TextRunner:
     def __init__(self, session: GraphSession, budget: BatchBudget, hidden: int, layout: StateLayout | None = None):
         self.session = session
         self.budget = budget

@@ -19,11 +19,11 @@ from ...models.questions import Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
 from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, TextRow, drive
-from ..engine import Engine, EngineOptions, Prepared, open_graph
+from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
 from ..tokenizer import shared_prefix
-from .code_logits import CodeLogitsRunner, text_positions
+from .code_logits import D3TextRunner, text_positions
 from .media import D3MediaEncoder, Preprocessed
 from .placeholders import VISION_END, expand_media, mrope_positions
 from .state import layout_of
@@ -44,9 +44,8 @@ class D3Engine(Engine):
     encodes_media_apart = True
 
     def __init__(self, artifact: Artifact, options: EngineOptions):
+        super().__init__(artifact, options)
         fields = artifact.manifest.model
-        self.artifact = artifact
-        self.family = artifact.family
         heads = int(fields.get("num_attention_heads", 1))
         # The portable graph materialises full-attention scores (O(L^2)): the longest prompt is bounded by the
         # attention budget too, so memory stays bounded and a long prompt gets a 400, never an out-of-memory crash.
@@ -55,15 +54,11 @@ class D3Engine(Engine):
         self.max_model_len = min(options.max_model_len or artifact.max_model_len, longest)
         self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads,
                                   options.slice_s)
-        self.session = open_graph(artifact, "text", options, capture=True)
         # None for a bidirectional artifact, or a causal one exported before prefix reuse: whole prompts only.
         self.layout = layout_of(fields)
         self.reads_prefixes = self.layout is not None
-        self.prefix_reuse = options.prefix_reuse
-        self.runner = CodeLogitsRunner(self.session, self.budget, int(fields["hidden_size"]), self.layout)
-        self.vision_session = open_graph(artifact, "vision", options)
+        self.runner = D3TextRunner(self.session, self.budget, int(fields["hidden_size"]), self.layout)
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
-        self.max_chars_per_token = artifact.tokenizer.max_token_chars()
 
     def warm_up(self) -> None:
         self.runner.capture()
