@@ -373,6 +373,7 @@ def serve_process(artifact, *flags: str) -> tuple[subprocess.Popen, str, list[st
     and the lines of its output so far (a thread keeps reading them)."""
     import re
     import threading
+    import time
     import urllib.request
 
     server = subprocess.Popen([sys.executable, "-m", "systemone.cli", "serve", str(artifact), "--device", "cpu",
@@ -387,12 +388,17 @@ def serve_process(artifact, *flags: str) -> tuple[subprocess.Popen, str, list[st
         found = re.search(r"address +(http://127\.0\.0\.1:\d+)/v1/systemone", line)
         base = found.group(1) if found else None
     threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True).start()
-    for _ in range(600):
+    # The address is printed once the port is bound, a moment before it accepts: a refused try is retried (600
+    # immediate tries ran out within that moment on a loaded two-core host).
+    deadline = time.monotonic() + 60
+    while True:
         try:
             urllib.request.urlopen(base + "/health", timeout=1)
             break
         except OSError:
             assert server.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "/health did not answer within 60 s:\n" + "".join(lines)
+            time.sleep(0.05)
     return server, base, lines
 
 
@@ -441,6 +447,7 @@ def test_a_second_ctrl_c_answers_the_requests_in_flight_503_and_logs_one_line(d3
         for client in clients:
             client.start()
         for _ in range(600):  # until both are admitted: in flight
+            assert server.poll() is None, "".join(lines)
             if json.loads(urllib.request.urlopen(base + "/ready", timeout=5).read())["running"] == 2:
                 break
             time.sleep(0.05)
