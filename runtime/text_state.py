@@ -11,7 +11,7 @@ runtime/d3/state.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,11 @@ class Past:
 
     length: int
     states: dict[str, Any]
+
+    def moved(self, move: Callable[[list[Any]], list[Any]]) -> Past:
+        """The same state with its values through `move` (`GraphSession.device_values`: on the device once;
+        `GraphSession.held`: out of a capturing session's memory)."""
+        return Past(self.length, dict(zip(self.states, move(list(self.states.values())), strict=True)))
 
 
 def _host(value: Any) -> np.ndarray:

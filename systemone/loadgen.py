@@ -609,9 +609,9 @@ def run_load(url: str, family: str, clients: tuple[int, ...], seconds: float, mo
     """The mix at each client count against `url` (and `reference`, when given, on the same mix), each run with a
     nonce of its own and the generator's ceiling beside it; where a server has /metrics, its work shares during
     each run. Before each run, `warm_up` at its client count for `warm_up_s` (each kind once first, before a
-    server's first run; 0: none); the servers take turns at each client count, who goes first alternating. With `pids` (the servers' processes by name, "server" and "reference"; may be empty), the most GPU
-    memory each held and the device held in all during each run, and what they held before the first
-    (nvidia-smi). With `published` (a checkpoint size), the seeds' published figures beside the runs."""
+    server's first run; 0: none); the servers take turns at each client count, who goes first alternating. With
+    `pids` (the servers' processes by name, "server" and "reference"; may be empty), the most GPU memory each held
+    and the device held in all during each run, and what they held before the first (nvidia-smi). With `published` (a checkpoint size), the seeds' published figures beside the runs."""
     most = max_processes or max(1, (os.cpu_count() or 2) // 2)
     base = mix or RequestMix(family, 0, kinds)
     report: dict[str, Any] = {"family": family, "kinds": list(base.kinds), "client_timeout_s": timeout_s, "runs": {}}

@@ -405,10 +405,11 @@ class D3ExportConfig(ExportConfig):
     def write_runtime_files(self, staging: Path) -> RuntimeFiles:
         bits = write_runtime_files(self.checkpoint, staging)
         vision = self.vision_config
+        state = self.state_fields
         fields = {"attention_mode": self.attention_mode,
                   "num_attention_heads": int(self.text_config.num_attention_heads),
                   "hidden_size": int(self.text_config.hidden_size),
-                  **({"state": self.state_fields} if self.state_fields is not None else {}),
+                  **({"state": state} if state is not None else {}),
                   "vision": {**bits["image_processor"], "patch_size": vision.patch_size,
                              "temporal_patch_size": vision.temporal_patch_size,
                              "merge_size": vision.spatial_merge_size,

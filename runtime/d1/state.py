@@ -85,8 +85,8 @@ class D1TextRunner:
                 # One chunk from nothing: its new state is the whole state, left on the device for the reads
                 # (on a GPU it made a round trip through pageable host memory, tens of MB at d1-3B's size).
                 out = self.session.run_bound(feeds, run_options)
-                held = self.session.held([out[name] for name in self.new_names])
-                past = Past(size, dict(zip(self.past_names, held, strict=True)))
+                new = [out[name] for name in self.new_names]
+                past = Past(size, dict(zip(self.past_names, new, strict=True))).moved(self.session.held)
             else:  # every output, through the binding: the past's state may be on the device already
                 out = self.session.run(feeds, run_options, fetch=self.session.output_names)
                 past = self.layout.after(past, size, out[len(READS):])
@@ -113,7 +113,7 @@ class D1TextRunner:
         return self.feeds(ids, last, labels, base, media)
 
     def read_suffixes(self, past: Past, suffixes: Sequence[Sequence[int]], label_ids: Sequence[int],
-                        run_options=None) -> tuple[np.ndarray, np.ndarray]:
+                      run_options=None) -> tuple[np.ndarray, np.ndarray]:
         """Each suffix read on the past: log-probabilities [len(suffixes), K] at `label_ids` and the greedy
         token [len(suffixes)] at each suffix's last token. Suffixes run in padded batches of similar lengths within
         the budgets; one too long for a batch of its own is prefilled (all but its last chunk) on a copy of the
@@ -139,8 +139,7 @@ class D1TextRunner:
             yield
         batches = self.budget.plan([len(suffixes[i]) for i in fitting], past.length, self.cost)
         # The prefix's state goes to the device once, not once a batch.
-        past = Past(past.length, dict(zip(past.states, self.session.device_values(
-            list(past.states.values())), strict=True)))
+        past = past.moved(self.session.device_values)
         for number, batch in enumerate(batches):
             if number:
                 yield

@@ -58,8 +58,7 @@ class D3TextRunner:
     def start(self) -> Past:
         """The state of a prompt from its start, on the device once (d3-nano's zero recurrent states are 18 MB)."""
         if self._empty_on_device is None:
-            values = self.session.device_values(list(self.empty.values()))
-            self._empty_on_device = Past(0, dict(zip(self.empty, values, strict=True)))
+            self._empty_on_device = Past(0, self.empty).moved(self.session.device_values)
         return self._empty_on_device
 
     def run_batch(self, rows: Sequence[TextRow], run_options=None, prefix: Past | None = None) -> np.ndarray:
@@ -112,10 +111,8 @@ class D3TextRunner:
         they are, a later one's joined to the prefix's on the host (`StateLayout.after`) and put back."""
         new = [out[name] for name in self.layout.names("new")]
         if not prefix.length:
-            return Past(size, dict(zip(self.layout.names("past"), self.session.held(new), strict=True)))
-        after = self.layout.after(prefix, size, new)
-        return Past(after.length, dict(zip(after.states, self.session.device_values(list(after.states.values())),
-                                           strict=True)))
+            return Past(size, dict(zip(self.layout.names("past"), new, strict=True))).moved(self.session.held)
+        return self.layout.after(prefix, size, new).moved(self.session.device_values)
 
     def read_suffixes(self, prefix: Past, rows: Sequence[TextRow], run_options=None) -> np.ndarray:
         """Code logits [len(rows), n_codes] of `rows` (each a question's tokens after the prefix, with their
