@@ -173,6 +173,14 @@ class TextRow:
     def length(self) -> int:
         return len(self.token_ids)
 
+    def part(self, start: int, stop: int | None = None) -> TextRow:
+        """Tokens [start, stop) of the row, with their positions and the media rows among them (None where there
+        are none), the media's positions made relative to `start`."""
+        stop = self.length if stop is None else stop
+        media = None if self.media is None else self.media.window(start, stop)
+        return TextRow(self.token_ids[start:stop], None if self.positions is None else self.positions[:, start:stop],
+                       media if media is not None and len(media.positions) else None, self.label_ids)
+
 
 @dataclass(frozen=True)
 class MediaRows:

@@ -3,9 +3,10 @@
 
 Requests arrive prepared (checked, media loaded, prompts tokenized). In the engine thread:
 
-- a request its engine runs whole (`Engine.runs_whole`: d1's with images, or with several questions on a prefix
-  worth prefilling once as its own state) is a job a step of its run (`Engine.run_steps`: a prefix chunk, a batch
-  of its reads, each about `BatchBudget.slice_s` long), after its vision job in the media lane where there is one;
+- a request its engine runs whole (`Engine.runs_whole`: several questions on a prefix worth prefilling once as
+  its own state, or a prompt too long for one call) is a job a step of its run (`Engine.run_steps`: a prefix
+  chunk, a batch of its reads, each about `BatchBudget.slice_s` long), after its vision job in the media lane
+  where there is one;
   each step takes its turn in the order below as a row does, so other requests' calls run between its steps;
 - otherwise a request with media first runs its vision graph, in a vision job (in the media lane's thread where
   there is one, so that no text call waits behind a vision run and the two graphs' runs overlap); then its rows

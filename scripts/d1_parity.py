@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 
-from systemone.export.d1.answer_parity import compare, onnx_reads, parity_requests, sixteen_questions, torch_pixels
+from systemone.export.d1.answer_parity import (compare, onnx_reads, parity_requests, sixteen_questions, torch_pixels,
+                                              whole_prompt_reads)
 
 
 def time_prefix_reuse(service, reference, body: dict[str, Any], repeats: int = 5) -> dict[str, Any]:
@@ -33,8 +34,8 @@ def time_prefix_reuse(service, reference, body: dict[str, Any], repeats: int = 5
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    reuse = median_seconds(lambda: onnx_reads(service, prepared, reuse_prefix=True), repeats)
-    whole = median_seconds(lambda: onnx_reads(service, prepared, reuse_prefix=False), repeats)
+    reuse = median_seconds(lambda: onnx_reads(service, prepared), repeats)
+    whole = median_seconds(lambda: whole_prompt_reads(service, prepared), repeats)
     torch_s = median_seconds(torch_run, max(1, repeats // 2))
     from systemone.runtime.tokenizer import shared_prefix
 

@@ -76,9 +76,11 @@ def main() -> None:
     import onnxruntime as ort
 
     from systemone.runtime.artifact import Artifact
-    from systemone.runtime.batch import BatchBudget
-    from systemone.runtime.d1.state import READS, D1TextRunner, layout_of
-    from systemone.runtime.d3.code_logits import code_logit_feeds, text_positions
+    from systemone.runtime.batch import TextRow
+    from systemone.runtime.d1.label_reads import LabelLogprobs
+    from systemone.runtime.d1.state import layout_of as d1_layout
+    from systemone.runtime.d3.code_logits import CodeLogits
+    from systemone.runtime.d3.state import layout_of as d3_layout
     from systemone.runtime.d3.vision_inputs import vision_inputs
     from systemone.runtime.session import provider_options, resolve_providers
 
@@ -122,17 +124,14 @@ def main() -> None:
                 raise SystemExit("this vision graph takes one segment a run (exported before the segments input)")
             feeds.pop("segments")
         fetch = None
-    elif artifact.manifest.family == "d1":  # whole prompts from an empty state, five label tokens read
-        runner = D1TextRunner(None, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
-        ids = rng.integers(0, 60_000, (args.batch, args.length))
-        feeds = runner.feeds(ids, np.full(args.batch, args.length - 1), np.arange(5, dtype=np.int64),
-                             runner.start(), None)
-        fetch = None if args.all_outputs else list(READS)
-    else:
-        prompts = [rng.integers(0, 150_000, args.length).tolist() for _ in range(args.batch)]
-        feeds = code_logit_feeds(prompts, [text_positions(args.length)] * args.batch, None,
-                                 int(fields["hidden_size"]))
-        fetch = None
+    else:  # whole prompts from an empty state (d1: five label tokens read)
+        d1 = artifact.manifest.family == "d1"
+        hidden = int(fields["hidden_size"])
+        reads, layout = (LabelLogprobs(hidden), d1_layout(fields)) if d1 else (CodeLogits(hidden), d3_layout(fields))
+        rows = [TextRow(rng.integers(0, 60_000 if d1 else 150_000, args.length).tolist(), label_ids=tuple(range(5)))
+                for _ in range(args.batch)]
+        feeds = {**reads.feeds(rows), **(layout.empty() if layout is not None else {})}
+        fetch = None if args.all_outputs or layout is None else list(reads.fetch)
     for _ in range(args.runs + 1):
         session.run(fetch, feeds)
     events = json.loads(Path(session.end_profiling()).read_text())

@@ -14,9 +14,26 @@ import pytest
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
 from systemone.runtime.cuda_graphs import GRAPH_ID, CaptureBuckets, CapturedRuns, uncaptured
-from systemone.runtime.d1.state import LABEL_SLOTS, READS, D1TextRunner, layout_of
-from systemone.runtime.d3.code_logits import D3TextRunner, row_feeds, text_positions
+from systemone.runtime.d1.label_reads import LABEL_SLOTS, LabelLogprobs, label_logprobs
+from systemone.runtime.d1.state import layout_of
+from systemone.runtime.d3.code_logits import CodeLogits, code_logits, row_feeds, text_positions
 from systemone.runtime.session import GraphSession
+from systemone.runtime.text_runner import TextRunner
+
+READS = LabelLogprobs.fetch
+
+
+def d3_runner(session: GraphSession, fields: dict, layout=None) -> TextRunner:
+    return TextRunner(session, BatchBudget(), CodeLogits(int(fields["hidden_size"])), layout)
+
+
+def d1_runner(session: GraphSession, fields: dict) -> TextRunner:
+    return TextRunner(session, BatchBudget(), LabelLogprobs(int(fields["hidden_size"])), layout_of(fields))
+
+
+def d1_reads(runner: TextRunner, prompts: list[list[int]], labels: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Whole prompts read in one call: the label log-probabilities and greedy tokens."""
+    return label_logprobs(runner.run_batch([TextRow(p, label_ids=tuple(labels)) for p in prompts]), labels)
 
 
 def test_a_run_pads_to_the_smallest_bucket_that_holds_it():
@@ -56,21 +73,20 @@ class RecordingSession(GraphSession):
 
 
 def test_rows_padded_to_a_bucket_get_the_logits_they_get_alone(d3_artifact):
-    artifact = Artifact.load(d3_artifact)
-    hidden = int(artifact.manifest.model["hidden_size"])
-    plain = D3TextRunner(GraphSession(d3_artifact / "text.onnx", "cpu"), BatchBudget(), hidden)
+    fields = Artifact.load(d3_artifact).manifest.model
+    plain = d3_runner(GraphSession(d3_artifact / "text.onnx", "cpu"), fields)
     padded_session = RecordingSession(d3_artifact / "text.onnx", CaptureBuckets(batches=(4,), lengths=(64,)))
-    padded = D3TextRunner(padded_session, BatchBudget(), hidden)
+    padded = d3_runner(padded_session, fields)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 5000, n).tolist() for n in (5, 17, 40)]
     rows = [TextRow(p, text_positions(len(p))) for p in prompts]
-    got = padded.run_batch(rows)
+    got = code_logits(padded.run_batch(rows))
     assert padded_session.captured_shapes == [(4, 64)]  # one filler row, every row padded to 64 tokens
     for row, logits in zip(rows, got, strict=True):
-        assert np.abs(logits - plain.run_batch([row])[0]).max() <= 1e-5
+        assert np.abs(logits - code_logits(plain.run_batch([row]))[0]).max() <= 1e-5
     # Past the buckets the run is the plain one.
     long_row = TextRow(rng.integers(0, 5000, 80).tolist())
-    assert np.abs(padded.run_batch([long_row]) - plain.run_batch([long_row])).max() == 0
+    assert np.abs(code_logits(padded.run_batch([long_row])) - code_logits(plain.run_batch([long_row]))).max() == 0
     assert padded_session.captured_shapes == [(4, 64)]
 
 
@@ -79,41 +95,41 @@ def test_d1_prompts_padded_to_a_bucket_read_what_they_read_alone(d1_artifact):
     labels to LABEL_SLOTS: each row's label log-probabilities and greedy token are the ones it gets alone. A call
     with more labels than the slots, or past the buckets, is the plain one."""
     fields = Artifact.load(d1_artifact).manifest.model
-    plain = D1TextRunner(GraphSession(d1_artifact / "text.onnx", "cpu"), BatchBudget(),
-                         int(fields["hidden_size"]), layout_of(fields))
+    plain = d1_runner(GraphSession(d1_artifact / "text.onnx", "cpu"), fields)
     session = RecordingSession(d1_artifact / "text.onnx", CaptureBuckets(batches=(4,), lengths=(64,)))
-    padded = D1TextRunner(session, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
+    padded = d1_runner(session, fields)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 5000, n).tolist() for n in (5, 17, 40)]
     labels = [5, 17, 300]
-    logprobs, argmax = padded.read_prompts(prompts, labels)
+    logprobs, argmax = d1_reads(padded, prompts, labels)
     assert session.captured_shapes == [(4, 64)] and session.label_slots == [(LABEL_SLOTS,)]
     assert logprobs.shape == (3, 3) and argmax.shape == (3,)
     for prompt, got, top in zip(prompts, logprobs, argmax, strict=True):
-        want, want_top = plain.read_prompts([prompt], labels)
+        want, want_top = d1_reads(plain, [prompt], labels)
         assert np.abs(got - want[0]).max() <= 1e-5 and top == want_top[0]
     many = list(range(LABEL_SLOTS + 1))
-    assert np.array_equal(padded.read_prompts(prompts[:1], many)[0], plain.read_prompts(prompts[:1], many)[0])
-    assert np.array_equal(padded.read_prompts([[7] * 80], labels)[0], plain.read_prompts([[7] * 80], labels)[0])
+    assert np.array_equal(d1_reads(padded, prompts[:1], many)[0], d1_reads(plain, prompts[:1], many)[0])
+    assert np.array_equal(d1_reads(padded, [[7] * 80], labels)[0], d1_reads(plain, [[7] * 80], labels)[0])
     assert session.captured_shapes == [(4, 64)]
 
 
 def test_the_state_no_one_reads_goes_to_one_scratch_buffer_shared_by_every_shape(d1_artifact):
     """A captured d1 shape gives back only the reads; the state its rows add goes to one buffer per output, shared by
-    every shape, so the shapes hold their reads and inputs only (at d1-3B's size their state was 2.3 GB). The
-    largest shape captured first makes the buffer once; a larger shape later makes a new one, and the shapes bound
-    to the old keep it. The bindings are onnxruntime's IO binding, here on the CPU's memory (CUDA's on a GPU)."""
+    every shape, so the shapes hold their reads and inputs only (at d1-3B's size their state was 2.3 GB), and the
+    zero state every shape reads is one copy. The largest shape captured first makes the buffer once; a larger
+    shape later makes a new one, and the shapes bound to the old keep it. The bindings are onnxruntime's IO
+    binding, here on the CPU's memory (CUDA's on a GPU)."""
     fields = Artifact.load(d1_artifact).manifest.model
     session = GraphSession(d1_artifact / "text.onnx", "cpu")
-    runner = D1TextRunner(session, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
+    runner = d1_runner(session, fields)
     runs = CapturedRuns(session.session, device="cpu")
     reads = [session.output_names.index(name) for name in READS]
     rng = np.random.default_rng(0)
-    labels = np.array([5, 17, 300], np.int64)
 
     def feeds(batch: int, width: int) -> dict:
-        rows = [rng.integers(0, 5000, rng.integers(1, width + 1)).tolist() for _ in range(batch)]
-        return runner._row_feeds(runner.start(), rows, labels, width=width)
+        rows = [TextRow(rng.integers(0, 5000, rng.integers(1, width + 1)).tolist(), label_ids=(5, 17, 300))
+                for _ in range(batch)]
+        return {**runner.reads.feeds(rows, width), **runner.empty}
 
     def check(shape_feeds: dict) -> None:
         got = runs.run(shape_feeds, reads)
@@ -127,7 +143,8 @@ def test_the_state_no_one_reads_goes_to_one_scratch_buffer_shared_by_every_shape
     assert len(runs.scratch.buffers) == state
     first, second = runs.bindings.values()
     assert [id(b) for b in first.held] == [id(b) for b in second.held]  # one buffer per output, shared
-    assert runs.nbytes() == first.nbytes + second.nbytes + sum(b.shape()[0] for b in first.held)
+    zeros = sum(value.nbytes for value in runner.empty.values())
+    assert runs.nbytes() == first.nbytes + second.nbytes + sum(b.shape()[0] for b in first.held) + zeros
     with pytest.raises(RuntimeError, match="scratch"):
         runs.run(small, None)  # a shape bound for its reads cannot give back its state
     larger = feeds(8, 64)
@@ -186,13 +203,13 @@ def test_every_shape_reads_one_device_copy_of_causal_d3s_zero_state(d3_causal_ar
 
     fields = Artifact.load(d3_causal_artifact).manifest.model
     session = GraphSession(d3_causal_artifact / "text.onnx", "cpu")
-    runner = D3TextRunner(session, BatchBudget(), int(fields["hidden_size"]), d3_state.layout_of(fields))
+    runner = d3_runner(session, fields, d3_state.layout_of(fields))
     runs = CapturedRuns(session.session, device="cpu")
     rng = np.random.default_rng(0)
 
     def feeds(batch: int, width: int) -> dict:
         rows = [TextRow(rng.integers(0, 5000, n).tolist()) for n in rng.integers(1, width + 1, batch)]
-        return {**row_feeds(rows, runner.hidden, width), **runner.empty}
+        return {**runner.reads.feeds(rows, width), **runner.empty}
 
     shapes = [feeds(4, 64), feeds(2, 32)]
     for shape in shapes:
@@ -238,23 +255,23 @@ def test_a_prefix_state_kept_past_its_run_leaves_a_capturing_sessions_arena(d1_a
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 5000, 40).tolist()
     fields = Artifact.load(d1_artifact).manifest.model
-    plain = D1TextRunner(GraphSession(d1_artifact / "text.onnx", "cpu"), BatchBudget(),
-                         int(fields["hidden_size"]), layout_of(fields))
+    plain = d1_runner(GraphSession(d1_artifact / "text.onnx", "cpu"), fields)
     session = CapturingOnCpu(d1_artifact / "text.onnx")
-    capturing = D1TextRunner(session, BatchBudget(), int(fields["hidden_size"]), layout_of(fields))
-    kept, want = capturing.prefill(capturing.start(), ids), plain.prefill(plain.start(), ids)
+    capturing = d1_runner(session, fields)
+    kept, want = capturing.prefill(capturing.start(), TextRow(ids)), plain.prefill(plain.start(), TextRow(ids))
     assert session.given and not any(state is given for state in kept.states.values() for given in session.given)
     assert all(np.array_equal(np.asarray(k.numpy()), np.asarray(w.numpy() if hasattr(w, "numpy") else w))
                for k, w in zip(kept.states.values(), want.states.values(), strict=True))
-    suffixes, labels = [rng.integers(0, 5000, 3).tolist()], [5, 17]
-    assert np.array_equal(capturing.read_suffixes(kept, suffixes, labels)[0],
-                          plain.read_suffixes(want, suffixes, labels)[0])
+    suffixes = [TextRow(rng.integers(0, 5000, 3).tolist(), label_ids=(5, 17))]
+    assert capturing.read_suffixes(kept, suffixes) == plain.read_suffixes(want, suffixes)
 
     fields = Artifact.load(d3_causal_artifact).manifest.model
-    hidden, d3_layout = int(fields["hidden_size"]), d3_state.layout_of(fields)
+    d3_layout = d3_state.layout_of(fields)
     session = CapturingOnCpu(d3_causal_artifact / "text.onnx")
-    prefix = D3TextRunner(session, BatchBudget(), hidden, d3_layout).prefill(TextRow(ids, text_positions(len(ids))))
-    want = D3TextRunner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), BatchBudget(), hidden,
-                        d3_layout).prefill(TextRow(ids, text_positions(len(ids))))
+    row = TextRow(ids, text_positions(len(ids)))
+    runner = d3_runner(session, fields, d3_layout)
+    prefix = runner.prefill(runner.start(), row)
+    plain = d3_runner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), fields, d3_layout)
+    want = plain.prefill(plain.start(), row)
     assert session.given and not any(state is given for state in prefix.states.values() for given in session.given)
     assert all(np.array_equal(prefix.states[name].numpy(), want.states[name].numpy()) for name in want.states)

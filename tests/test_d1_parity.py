@@ -9,9 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from systemone.export.d1.answer_parity import compare, parity_requests, sixteen_questions
+from systemone.export.d1.answer_parity import (compare, onnx_reads, parity_requests, sixteen_questions,
+                                              whole_prompt_reads)
 from systemone.export.d1.config import D1ExportConfig
-from systemone.models.family import Readout
+from systemone.runtime.batch import TextRow
 from tests.answer_helpers import max_probability_diff
 
 
@@ -25,13 +26,6 @@ def unsliced(d1_service, monkeypatch):
 @pytest.fixture(scope="module")
 def reference(d1_checkpoint):
     return D1ExportConfig(d1_checkpoint)
-
-
-def reads(service, prepared, **run):
-    """Each question's read of a prepared request, the engine's graphs run with `run` (e.g. reuse_prefix)."""
-    readouts = service.engine.run(prepared, **run)
-    return [service.family.read(q, labels, readout)
-            for q, labels, readout in zip(prepared.questions, prepared.labels, readouts)]
 
 
 def test_onnx_with_prefix_reuse_matches_torch_on_210_questions(d1_service, reference):
@@ -51,8 +45,9 @@ def test_prefix_reuse_reads_what_whole_prompts_read(d1_service):
     """Reuse changes no token and no number beyond float noise: suffix reads on the prefix's state equal the whole
     prompts read from an empty state (16 questions, a long state and a 1024x1024 image)."""
     prepared = d1_service.prepare(sixteen_questions(True))
-    reused = reads(d1_service, prepared, reuse_prefix=True)
-    whole = reads(d1_service, prepared, reuse_prefix=False)
+    assert d1_service.engine.prefix_split(prepared)
+    reused = onnx_reads(d1_service, prepared)
+    whole = whole_prompt_reads(d1_service, prepared)
     for a, b in zip(reused, whole):
         assert np.abs(np.array(a.probs) - np.array(b.probs)).max() < 1e-5
         assert abs(a.label_mass - b.label_mass) < 1e-5 * max(a.label_mass, 1e-30) + 1e-12
@@ -77,14 +72,13 @@ def test_a_one_question_text_request_is_one_graph_call(d1_service):
     prepared = d1_service.prepare({**body, "questions": {qid: body["questions"][qid]}})
     session = d1_service.engine.session
     runs = session.runs
-    one_call = reads(d1_service, prepared)[0]
+    one_call = onnx_reads(d1_service, prepared)[0]
     assert session.runs == runs + 1
-    ids = prepared.prompts[0].token_ids
     runner = d1_service.engine.runner
-    labels = sorted({i for g in prepared.labels for i in g.ids})
-    logprobs, _ = runner.read_suffixes(runner.prefill(runner.start(), ids[:-1]), [ids[-1:]], labels)
-    prefilled = d1_service.family.read(prepared.questions[0], prepared.labels[0],
-                                       Readout(dict(zip(labels, logprobs[0].tolist())), 0))
+    (row,) = d1_service.engine.rows(prepared, None)
+    (readout,) = runner.read_suffixes(runner.prefill(runner.start(), row.part(0, row.length - 1)),
+                                      [row.part(row.length - 1)])
+    prefilled = d1_service.family.read(prepared.questions[0], prepared.labels[0], readout)
     assert np.abs(np.array(one_call.probs) - np.array(prefilled.probs)).max() < 1e-5
 
 
@@ -112,7 +106,7 @@ def test_the_prefix_state_stays_on_the_device_and_the_reads_fetch_only_their_out
     assert len(answers) == 16
     # run_bound is also what a read's run(fetch=...) calls: the prefill is the first call, the reads the rest.
     assert len(reads) >= 2 and {fetch for fetch, _ in reads} == {("label_logprobs", "argmax")}
-    state = [prefills[0][name] for name in d1_service.engine.runner.new_names]
+    state = [prefills[0][name] for name in d1_service.engine.runner.layout.names("new")]
     for _, past in reads:
         assert [id(v) for v in past] == [id(v) for v in state]
 
@@ -122,14 +116,14 @@ def test_the_prefix_is_prefilled_in_chunks_within_the_attention_budget(d1_servic
     reads what one whole pass reads."""
     engine = d1_service.engine
     prepared = d1_service.prepare(sixteen_questions(False))
-    whole = reads(d1_service, prepared)
+    whole = onnx_reads(d1_service, prepared)
     runner = engine.runner
     budget = runner.budget
     try:
         # chunks of ~128 tokens after 128
         runner.budget = dataclasses.replace(budget, attention_budget=2 * 4 * d1_service.engine.budget.heads * 128 * 256)
         assert runner.budget.chunk_length(500) < 300
-        chunked = reads(d1_service, prepared)
+        chunked = onnx_reads(d1_service, prepared)
     finally:
         runner.budget = budget
     for a, b in zip(whole, chunked):
@@ -139,7 +133,7 @@ def test_the_prefix_is_prefilled_in_chunks_within_the_attention_budget(d1_servic
 def test_with_prefix_reuse_off_every_whole_prompt_is_read_with_the_same_answers(d1_artifact, d1_service,
                                                                                  monkeypatch):
     """`--no-prefix-reuse`: no prefix is prefilled for an image request or a many-question one; each question's
-    whole prompt is read, as the default's answers within 1e-5."""
+    whole prompt is a row of calls shared with other requests, with the default's answers within 1e-5."""
     from systemone.runtime.artifact import Artifact
     from systemone.runtime.engine import EngineOptions
     from systemone.runtime.service import DecisionService
@@ -149,7 +143,7 @@ def test_with_prefix_reuse_off_every_whole_prompt_is_read_with_the_same_answers(
     monkeypatch.setattr(service.engine.runner, "prefilling", lambda *a, **k: pytest.fail("a prefix was prefilled"))
     try:
         for body in (sixteen_questions(True), sixteen_questions(False)):
-            assert service.engine.runs_whole(service.prepare(body)) == ("images" in body)
+            assert not service.engine.runs_whole(service.prepare(body))
             assert max_probability_diff(service.decide(body)["answers"], d1_service.decide(body)["answers"]) <= 1e-5
     finally:
         service.close()

@@ -17,11 +17,12 @@ from systemone.export.pipeline import add_forms
 from systemone.export.sample_media import image_url
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, CallCost, MediaRows, TextRow
-from systemone.runtime.d3.code_logits import D3TextRunner, text_positions
+from systemone.runtime.d3.code_logits import CodeLogits, code_logits, text_positions
 from systemone.runtime.d3 import state as d3_state
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.service import DecisionService
 from systemone.runtime.session import GraphSession
+from systemone.runtime.text_runner import TextRunner
 from tests.answer_helpers import max_probability_diff
 
 STATE = {"ticket": "The parcel arrived crushed; the customer wants a refund and a replacement.", "tier": "gold"}
@@ -32,10 +33,19 @@ def causal_service(d3_causal_artifact) -> DecisionService:
     return DecisionService(Artifact.load(d3_causal_artifact), EngineOptions(device="cpu"))
 
 
-def runner_for(artifact, graph: str = "text.onnx") -> D3TextRunner:
+def runner_for(artifact, graph: str = "text.onnx", budget: BatchBudget = BatchBudget()) -> TextRunner:
     fields = json.loads((artifact / "manifest.json").read_text())
-    return D3TextRunner(GraphSession(artifact / graph, "cpu"), BatchBudget(), int(fields["hidden_size"]),
-                        d3_state.layout_of(fields))
+    return TextRunner(GraphSession(artifact / graph, "cpu"), budget, CodeLogits(int(fields["hidden_size"])),
+                      d3_state.layout_of(fields))
+
+
+def whole_logits(runner: TextRunner, rows: list[TextRow]) -> np.ndarray:
+    return code_logits(runner.run_rows(rows))
+
+
+def suffix_logits(runner: TextRunner, prefix: TextRow, suffixes: list[TextRow]) -> np.ndarray:
+    """The suffixes' code logits read on `prefix`, prefilled once."""
+    return code_logits(runner.read_suffixes(runner.prefill(runner.start(), prefix), suffixes))
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -52,8 +62,7 @@ def test_a_prefix_prefilled_in_chunks_of_the_time_slice_reads_as_one_call(d3_cau
     1 ms a token and a 0.3 s slice, 300 tokens), each on the state the last left, keys and values appended, media
     rows among them: its suffixes read as on the prefix prefilled in one call."""
     fields = json.loads((d3_causal_artifact / "manifest.json").read_text())
-    sliced = D3TextRunner(GraphSession(d3_causal_artifact / "text.onnx", "cpu"), BatchBudget(slice_s=0.3),
-                          int(fields["hidden_size"]), d3_state.layout_of(fields))
+    sliced = runner_for(d3_causal_artifact, budget=BatchBudget(slice_s=0.3))
     sliced.cost = CallCost(fixed_s=0.0, token_s=1e-3)
     whole = runner_for(d3_causal_artifact)
     rng = np.random.default_rng(7)
@@ -61,7 +70,7 @@ def test_a_prefix_prefilled_in_chunks_of_the_time_slice_reads_as_one_call(d3_cau
     media = MediaRows(rng.standard_normal((20, int(fields["hidden_size"]))).astype(np.float32),
                       np.arange(290, 310, dtype=np.int64))  # across the first chunk's end
     suffixes = [rng.integers(0, 5000, n).tolist() for n in (1, 9, 40)]
-    steps = sliced.prefilling(TextRow(prefix, text_positions(700), media))
+    steps = sliced.prefilling(sliced.start(), TextRow(prefix, text_positions(700), media))
     chunks = 1
     while True:
         try:
@@ -71,9 +80,9 @@ def test_a_prefix_prefilled_in_chunks_of_the_time_slice_reads_as_one_call(d3_cau
             state = done.value
             break
     assert chunks == 3 and state.length == 700
-    one_call = whole.prefill(TextRow(prefix, text_positions(700), media))
-    assert np.abs(sliced.read_suffixes(state, suffix_rows(700, suffixes))
-                  - whole.read_suffixes(one_call, suffix_rows(700, suffixes))).max() <= 1e-5
+    one_call = whole.prefill(whole.start(), TextRow(prefix, text_positions(700), media))
+    assert np.abs(code_logits(sliced.read_suffixes(state, suffix_rows(700, suffixes)))
+                  - code_logits(whole.read_suffixes(one_call, suffix_rows(700, suffixes)))).max() <= 1e-5
 
 
 def test_the_causal_manifest_records_the_state_and_the_bidirectional_one_none(d3_artifact, d3_causal_artifact):
@@ -94,22 +103,23 @@ def test_suffixes_read_on_a_prefilled_prefix_match_their_whole_prompts(d3_causal
     rng = np.random.default_rng(prefix_length)
     prefix = rng.integers(0, 5000, prefix_length).tolist()
     suffixes = [rng.integers(0, 5000, n).tolist() for n in (1, 7, 64, 65, 130)]
-    whole = runner.run_rows([TextRow(prefix + s, text_positions(prefix_length + len(s))) for s in suffixes])
-    state = runner.prefill(TextRow(prefix, text_positions(prefix_length)))
+    whole = whole_logits(runner, [TextRow(prefix + s, text_positions(prefix_length + len(s))) for s in suffixes])
+    state = runner.prefill(runner.start(), TextRow(prefix, text_positions(prefix_length)))
     assert state.length == prefix_length
-    got = runner.read_suffixes(state, suffix_rows(prefix_length, suffixes))
+    got = code_logits(runner.read_suffixes(state, suffix_rows(prefix_length, suffixes)))
     assert np.abs(got - whole).max() <= 1e-5
 
 
 def test_media_rows_in_the_prefix_are_read_once_for_every_suffix(d3_causal_artifact):
     runner = runner_for(d3_causal_artifact)
     rng = np.random.default_rng(1)
-    media = MediaRows(rng.standard_normal((6, runner.hidden)).astype(np.float32), np.arange(4, 10, dtype=np.int64))
+    media = MediaRows(rng.standard_normal((6, runner.reads.hidden)).astype(np.float32),
+                      np.arange(4, 10, dtype=np.int64))
     prefix = rng.integers(0, 5000, 40).tolist()
     suffixes = [rng.integers(0, 5000, n).tolist() for n in (3, 30)]
-    whole = runner.run_rows([TextRow(prefix + s, text_positions(40 + len(s)), media) for s in suffixes])
-    state = runner.prefill(TextRow(prefix, text_positions(40), media))
-    assert np.abs(runner.read_suffixes(state, suffix_rows(40, suffixes)) - whole).max() <= 1e-5
+    whole = whole_logits(runner, [TextRow(prefix + s, text_positions(40 + len(s)), media) for s in suffixes])
+    got = suffix_logits(runner, TextRow(prefix, text_positions(40), media), suffix_rows(40, suffixes))
+    assert np.abs(got - whole).max() <= 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +147,8 @@ def test_a_fused_forms_suffix_reads_match_its_whole_prompts(which, request):
     rng = np.random.default_rng(2)
     prefix = rng.integers(0, 5000, 90).tolist()
     suffixes = [rng.integers(0, 5000, n).tolist() for n in (2, 41, 70)]
-    whole = runner.run_rows([TextRow(prefix + s, text_positions(90 + len(s))) for s in suffixes])
-    got = runner.read_suffixes(runner.prefill(TextRow(prefix, text_positions(90))), suffix_rows(90, suffixes))
+    whole = whole_logits(runner, [TextRow(prefix + s, text_positions(90 + len(s))) for s in suffixes])
+    got = suffix_logits(runner, TextRow(prefix, text_positions(90)), suffix_rows(90, suffixes))
     assert np.abs(got - whole).max() <= 1e-2
     assert np.abs(softmax(got) - softmax(whole)).max() <= 2e-3
 
@@ -150,7 +160,7 @@ def test_a_request_of_several_questions_reads_its_prefix_once_with_the_answers_o
     runs = engine.session.runs
     reused = engine.run(prepared)
     assert engine.session.runs - runs <= 3  # the prefix, then the six suffixes in at most two calls
-    whole = engine.run(prepared, reuse_prefix=False)
+    whole = engine.runner.run_rows(engine.rows(prepared, None))
     for got, want in zip(reused, whole, strict=True):
         assert max(abs(got.scores[k] - v) for k, v in want.scores.items()) <= 1e-5
 
@@ -161,7 +171,8 @@ def test_an_image_requests_questions_are_read_on_its_media_prefix(causal_service
     prepared = causal_service.prepare(body)
     engine = causal_service.engine
     assert engine.runs_whole(prepared)
-    reused, whole = engine.run(prepared), engine.run(prepared, reuse_prefix=False)
+    reused = engine.run(prepared)
+    whole = engine.runner.run_rows(engine.rows(prepared, engine.encode_media(prepared)))
     for got, want in zip(reused, whole, strict=True):
         assert max(abs(got.scores[k] - v) for k, v in want.scores.items()) <= 1e-5
 
@@ -174,7 +185,7 @@ def test_one_question_is_one_row_of_a_shared_call(causal_service):
 
 def test_the_bidirectional_mode_reads_every_whole_prompt(d3_service):
     prepared = d3_service.prepare({"state": STATE, "questions": question_set(4)})
-    assert d3_service.engine.layout is None and not d3_service.engine.runs_whole(prepared)
+    assert not d3_service.engine.reads_prefixes and not d3_service.engine.runs_whole(prepared)
 
 
 def test_with_prefix_reuse_off_a_requests_questions_are_rows_of_shared_calls_with_the_same_answers(

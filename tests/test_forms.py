@@ -496,20 +496,21 @@ def test_a_fused_form_question_answers_alike_alone_and_beside_longer_rows(mode, 
     """Right padding changes no row's code logits through the fused attention (half precision: within 2e-3),
     the scheduler's promise that an answer does not depend on its batch mates."""
     from systemone.runtime.batch import BatchBudget, TextRow
-    from systemone.runtime.d3.code_logits import D3TextRunner, text_positions
+    from systemone.runtime.d3.code_logits import CodeLogits, code_logits, text_positions
     from systemone.runtime.d3 import state as d3_state
     from systemone.runtime.session import GraphSession
+    from systemone.runtime.text_runner import TextRunner
 
     artifact = request.getfixturevalue("d3_artifact" if mode == "noncausal" else "d3_causal_artifact")
     loaded = Artifact.load(artifact)
     form = loaded.forms_for("cuda")[0]
     fields = loaded.manifest.model
-    runner = D3TextRunner(GraphSession(artifact / f"text.{form}.onnx", "cpu"), BatchBudget(),
-                          int(fields["hidden_size"]), d3_state.layout_of(fields))
+    runner = TextRunner(GraphSession(artifact / f"text.{form}.onnx", "cpu"), BatchBudget(),
+                        CodeLogits(int(fields["hidden_size"])), d3_state.layout_of(fields))
     rng = np.random.default_rng(0)
     rows = [TextRow(rng.integers(0, 5000, n).tolist(), text_positions(n)) for n in (9, 41, 23)]
-    together = runner.run_batch(rows)  # one right-padded call of 41 tokens
-    alone = np.concatenate([runner.run_batch([row]) for row in rows])
+    together = code_logits(runner.run_batch(rows))  # one right-padded call of 41 tokens
+    alone = np.concatenate([code_logits(runner.run_batch([row])) for row in rows])
     assert np.abs(together - alone).max() <= 2e-3
 
 
@@ -605,21 +606,23 @@ def test_a_d1_fused_form_suffix_reads_alike_alone_and_beside_longer_rows(d1_arti
     """On a prefilled prefix, a question's suffix read through the fused form gives the same log-probabilities
     alone and in a right-padded call beside longer suffixes (half precision: within 2e-3): its answer does not
     depend on its batch mates."""
-    from systemone.runtime.batch import BatchBudget
-    from systemone.runtime.d1.state import D1TextRunner, layout_of
+    from systemone.runtime.batch import BatchBudget, TextRow
+    from systemone.runtime.d1.label_reads import LabelLogprobs, label_logprobs
+    from systemone.runtime.d1.state import layout_of
     from systemone.runtime.session import GraphSession
+    from systemone.runtime.text_runner import TextRunner
 
     fields = Artifact.load(d1_artifact).manifest.model
-    runner = D1TextRunner(GraphSession(d1_artifact / "text.cuda-fused-fp16.onnx", "cpu"), BatchBudget(),
-                          int(fields["hidden_size"]), layout_of(fields))
+    runner = TextRunner(GraphSession(d1_artifact / "text.cuda-fused-fp16.onnx", "cpu"), BatchBudget(),
+                        LabelLogprobs(int(fields["hidden_size"])), layout_of(fields))
     runner.cost = None  # calls filled as far as the budgets allow: the three suffixes in one call
     rng = np.random.default_rng(0)
-    past = runner.prefill(runner.start(), rng.integers(0, 5000, 57).tolist())
-    suffixes = [rng.integers(0, 5000, n).tolist() for n in (4, 19, 11)]
+    past = runner.prefill(runner.start(), TextRow(rng.integers(0, 5000, 57).tolist()))
     labels = [5, 17, 300]
-    assert runner.budget.plan([len(s) for s in suffixes], past.length) == [[1, 2, 0]]
-    together = runner.read_suffixes(past, suffixes, labels)[0]
-    alone = np.concatenate([runner.read_suffixes(past, [s], labels)[0] for s in suffixes])
+    suffixes = [TextRow(rng.integers(0, 5000, n).tolist(), label_ids=tuple(labels)) for n in (4, 19, 11)]
+    assert runner.budget.plan([s.length for s in suffixes], past.length) == [[1, 2, 0]]
+    together = label_logprobs(runner.read_suffixes(past, suffixes), labels)[0]
+    alone = np.concatenate([label_logprobs(runner.read_suffixes(past, [s]), labels)[0] for s in suffixes])
     assert np.abs(together - alone).max() <= 2e-3
 
 

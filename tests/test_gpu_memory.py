@@ -18,12 +18,13 @@ from systemone.models.errors import DeviceMemoryExhausted, Unavailable
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.batch import BatchBudget, TextRow
 from systemone.runtime.batch_sizing import TooLittleDeviceMemory, measure_batch_rows
-from systemone.runtime.d3.code_logits import D3TextRunner, text_positions
+from systemone.runtime.d3.code_logits import CodeLogits, code_logits, text_positions
 from systemone.runtime.deadline import Deadline
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.scheduler import Scheduler
 from systemone.runtime.service import DecisionService
 from systemone.runtime.session import GraphSession, memory_errors
+from systemone.runtime.text_runner import TextRunner
 from systemone.server.app import create_app
 from tests.media_helpers import data_url, gradient_png
 
@@ -41,14 +42,14 @@ class BoundedSession(GraphSession):
         self.most_rows, self.most_tokens = most_rows, most_tokens
         self.calls: list[int] = []
 
-    def run(self, feeds, run_options=None):
+    def run(self, feeds, run_options=None, fetch=None):
         rows, length = feeds["input_ids"].shape
         self.calls.append(rows)
         if ((self.most_rows is not None and rows > self.most_rows)
                 or (self.most_tokens is not None and rows * length > self.most_tokens)):
             with memory_errors():
                 raise RuntimeError(ARENA_FULL)
-        return super().run(feeds, run_options)
+        return super().run(feeds, run_options, fetch)
 
 
 def rows_of(lengths: list[int]) -> list[TextRow]:
@@ -56,21 +57,25 @@ def rows_of(lengths: list[int]) -> list[TextRow]:
     return [TextRow(rng.integers(0, 5000, n).tolist(), text_positions(n)) for n in lengths]
 
 
+def runner(session: GraphSession, artifact) -> TextRunner:
+    """The bidirectional d3 graph's runner (no state) on `session`."""
+    return TextRunner(session, BatchBudget(), CodeLogits(int(Artifact.load(artifact).manifest.model["hidden_size"])),
+                      layout=None)
+
+
 def test_a_call_the_arena_cannot_hold_runs_again_in_halves(d3_artifact):
-    hidden = int(Artifact.load(d3_artifact).manifest.model["hidden_size"])
-    plain = D3TextRunner(GraphSession(d3_artifact / "text.onnx", "cpu"), BatchBudget(), hidden)
+    plain = runner(GraphSession(d3_artifact / "text.onnx", "cpu"), d3_artifact)
     bounded_session = BoundedSession(d3_artifact / "text.onnx", most_rows=2)
-    bounded = D3TextRunner(bounded_session, BatchBudget(), hidden)
+    bounded = runner(bounded_session, d3_artifact)
     rows = rows_of([9, 30, 12, 25, 7])
-    assert np.abs(bounded.run_rows(rows) - plain.run_rows(rows)).max() <= 1e-5
+    assert np.abs(code_logits(bounded.run_rows(rows)) - code_logits(plain.run_rows(rows))).max() <= 1e-5
     assert bounded_session.calls == [5, 2, 3, 1, 2]  # 5 -> 2 + 3, and 3 -> 1 + 2
 
 
 def test_a_row_the_arena_cannot_hold_is_retryable_not_an_internal_error(d3_artifact):
-    hidden = int(Artifact.load(d3_artifact).manifest.model["hidden_size"])
-    runner = D3TextRunner(BoundedSession(d3_artifact / "text.onnx", most_rows=0), BatchBudget(), hidden)
+    bounded = runner(BoundedSession(d3_artifact / "text.onnx", most_rows=0), d3_artifact)
     with pytest.raises(DeviceMemoryExhausted, match="--gpu-memory") as raised:
-        runner.run_rows(rows_of([9]))
+        bounded.run_rows(rows_of([9]))
     assert isinstance(raised.value, Unavailable)
 
 

@@ -11,9 +11,10 @@ import onnxruntime as ort
 import pytest
 
 from systemone.runtime.batch import BatchBudget, MediaRows, TextRow
-from systemone.runtime.d3.code_logits import D3TextRunner, code_logit_feeds, row_feeds, text_positions
+from systemone.runtime.d3.code_logits import CodeLogits, code_logits, row_feeds, text_positions
 from systemone.runtime.devices import ProviderUnavailable, pick_providers
 from systemone.runtime.session import GEMM_OPTIONS, GraphSession, reduce_products_in_fp32, resolve_providers
+from systemone.runtime.text_runner import TextRunner
 
 
 def test_cpu_is_always_available():
@@ -85,7 +86,7 @@ def test_a_cuda_session_sets_the_reduction_before_onnxruntime_opens_it(monkeypat
 
 
 def test_pad_batch_right_pads_with_mask_and_positions():
-    feeds = code_logit_feeds([[5, 6, 7], [8]], [text_positions(3), text_positions(1)], None, 0)
+    feeds = row_feeds([TextRow([5, 6, 7], text_positions(3)), TextRow([8], text_positions(1))], 0)
     assert feeds["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert feeds["position_ids"].shape == (3, 2, 3)
@@ -93,8 +94,7 @@ def test_pad_batch_right_pads_with_mask_and_positions():
 
 
 def test_batches_respect_the_token_budget():
-    runner = D3TextRunner(None, BatchBudget(max_batch_tokens=100), hidden=0)
-    groups = runner.budget.plan([10, 60, 30, 50, 5])
+    groups = BatchBudget(max_batch_tokens=100).plan([10, 60, 30, 50, 5])
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
     lengths = [10, 60, 30, 50, 5]
     for group in groups:
@@ -106,11 +106,11 @@ def test_runner_returns_rows_in_prompt_order():
         def capture_shape(self, batch, length):
             return None  # no CUDA graphs
 
-        def run(self, feeds, run_options=None):
+        def run(self, feeds, run_options=None, fetch=None):
             return [np.stack([feeds["input_ids"][:, 0], feeds["attention_mask"].sum(1)], axis=1).astype(np.float32)]
 
-    runner = D3TextRunner(Echo(), BatchBudget(max_batch_tokens=8), hidden=0)
-    out = runner.run([[1, 1], [2], [3, 3, 3, 3, 3], [4, 4]])
+    runner = TextRunner(Echo(), BatchBudget(max_batch_tokens=8), CodeLogits(hidden=0), layout=None)
+    out = code_logits(runner.run_rows([TextRow(ids) for ids in ([1, 1], [2], [3, 3, 3, 3, 3], [4, 4])]))
     assert out.tolist() == [[1, 2], [2, 1], [3, 5], [4, 2]]
 
 

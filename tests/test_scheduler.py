@@ -103,17 +103,17 @@ def d1_runs_as_alone(service: DecisionService, bodies: list[dict], cost: CallCos
 
 
 def test_d1_shares_calls_among_one_question_text_requests_and_runs_the_others_whole(d1_service):
-    """d1's one-question text requests are one row each (the whole prompt) and share calls across requests, each
-    reading its own labels; a request with an image, or with several questions on a state worth prefilling once,
-    runs whole, its prefix prefilled once. Every answer is the one the request gets alone."""
+    """d1's one-question requests are one row each (the whole prompt, an image's rows in it) and share calls across
+    requests, each reading its own labels; a request with several questions on a state worth prefilling once runs
+    whole, its prefix prefilled once. Every answer is the one the request gets alone."""
     bodies = [body(state, 1) if i % 3 else {"state": state, "questions": {"team": CHOICE}}
               for i, state in enumerate(["Charged twice", "Refund not received after two weeks", "Cannot log in",
                                          "Parcel lost in transit, please help", "Wrong size", "Double charge again"])]
     bodies += [body("A long thread about a charge. " * 10, 3),
                body("See the photo", 1, images=[data_url(gradient_png(64, 48))])]
     # Calls that cost little beyond their tokens: a shared prefix is always worth prefilling once.
-    calls = d1_runs_as_alone(d1_service, bodies, CallCost(fixed_s=1e-9, token_s=1e-6), [False] * 6 + [True, True])
-    assert sum(calls) == 6 and max(calls) >= 3, calls  # the one-question requests shared
+    calls = d1_runs_as_alone(d1_service, bodies, CallCost(fixed_s=1e-9, token_s=1e-6), [False] * 6 + [True, False])
+    assert sum(calls) == 7 and max(calls) >= 3, calls  # the one-question requests shared
 
 
 def test_d1_reads_short_questions_as_rows_where_a_call_costs_more_than_their_shared_prefix(d1_service):

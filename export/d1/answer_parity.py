@@ -104,11 +104,21 @@ def torch_reads(family: Any, encode: Any, reference: Any, prompts: list[Any],
     return reads
 
 
-def onnx_reads(service: DecisionService, prepared: Prepared, reuse_prefix: bool = True) -> list[Read]:
+def onnx_reads(service: DecisionService, prepared: Prepared) -> list[Read]:
     """The runtime's read of each question of a prepared request (`service.prepare(body)`), in question order."""
-    readouts = service.engine.run(prepared, reuse_prefix=reuse_prefix)
+    return family_reads(service, prepared, service.engine.run(prepared))
+
+
+def whole_prompt_reads(service: DecisionService, prepared: Prepared) -> list[Read]:
+    """`onnx_reads` with each question's whole prompt a row, no prefix read once: the baseline prefix reuse is
+    measured against."""
+    engine = service.engine
+    return family_reads(service, prepared, engine.runner.run_rows(engine.rows(prepared, engine.encode_media(prepared))))
+
+
+def family_reads(service: DecisionService, prepared: Prepared, readouts: list[Readout]) -> list[Read]:
     return [service.family.read(q, labels, readout)
-            for q, labels, readout in zip(prepared.questions, prepared.labels, readouts)]
+            for q, labels, readout in zip(prepared.questions, prepared.labels, readouts, strict=True)]
 
 
 def runtime_answers(service: DecisionService, requests: list[dict[str, Any]]) -> tuple[Any, Any, list[tuple]]:

@@ -19,9 +19,11 @@ from ...models.d1 import D1Family
 from ...runtime.batch import BatchBudget
 from ...runtime.d1.cells import unshuffle_order
 from ...runtime.d1.image_processor import Lfm2ImageConfig
-from ...runtime.d1.state import D1TextRunner, layout_of
+from ...runtime.d1.label_reads import LabelLogprobs
+from ...runtime.d1.state import layout_of
 from ...runtime.text_state import StateLayout
 from ...runtime.session import GraphSession
+from ...runtime.text_runner import TextRunner
 from ...runtime.tokenizer import PromptTokenizer
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms
 from ..half_precision import FLOAT16_MATMULS
@@ -300,8 +302,8 @@ class D1ExportConfig(ExportConfig):
 
     def gates(self, atol: float, prob_atol: float, lengths: tuple[int, ...], seed: int) -> list[Gate]:
         def text(staging: Path, files: RuntimeFiles) -> dict[str, Any]:
-            runner = D1TextRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(),
-                                  int(self.text_config.hidden_size), self.layout)
+            runner = TextRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(),
+                                LabelLogprobs(int(self.text_config.hidden_size)), self.layout)
             labels = label_ids(PromptTokenizer(staging / "tokenizer.json").encode)
             prompts = sample_prompts(D1Family(), staging, files, SAMPLE_REQUEST, lengths, seed,
                                      int(self.text_config.vocab_size))

@@ -15,9 +15,10 @@ import numpy as np
 
 from ...models.d1 import NOUL_FORMS
 from ...models.questions import QUESTION_TYPES
-from ...runtime.batch import MediaRows
-from ...runtime.d1.state import D1TextRunner
+from ...runtime.batch import MediaRows, TextRow
+from ...runtime.d1.label_reads import label_logprobs
 from ...runtime.session import GraphSession
+from ...runtime.text_runner import TextRunner
 from ..config import ParityError
 from ..parity import worst_vision_sample
 
@@ -58,15 +59,21 @@ def label_ids(encode: Callable[[str], list[int]]) -> list[int]:
     return sorted({ids[0] for ids in map(encode, forms) if len(ids) == 1})
 
 
-def check_text_parity(runner: D1TextRunner, config: D1Reference, prompts: list[tuple[str, list[int]]], labels: list[int],
-                      atol: float, seed: int) -> dict[str, Any]:
+def check_text_parity(runner: TextRunner, config: D1Reference, prompts: list[tuple[str, list[int]]],
+                      labels: list[int], atol: float, seed: int) -> dict[str, Any]:
     """Graph vs torch on every sample, from an empty state (batched) and as a suffix on a prefix."""
     rng = np.random.default_rng(seed)
     hidden = config.text_config.hidden_size
     media = MediaRows(rng.standard_normal((6, hidden)).astype(np.float32), np.arange(3, 9, dtype=np.int64))
     media_ids = prompts[-1][1]
-    full, full_top = runner.whole_logprobs([ids for _, ids in prompts], labels)
-    media_full, media_top = runner.whole_logprobs([media_ids], labels, media)
+    every = tuple(labels)
+
+    def read(readouts: list) -> tuple[np.ndarray, np.ndarray]:
+        return label_logprobs(readouts, labels)
+
+    full, full_top = read(runner.run_rows([TextRow(ids, label_ids=every) for _, ids in prompts]))
+    media_row = TextRow(media_ids, media=media, label_ids=every)
+    media_full, media_top = read(runner.run_rows([media_row]))
     rows = []
 
     def compare(sample: str, ids: list[int], got: np.ndarray, top: int, mode: str, ref: np.ndarray) -> None:
@@ -79,13 +86,14 @@ def check_text_parity(runner: D1TextRunner, config: D1Reference, prompts: list[t
         compare(label, ids, got, top, "whole prompt", ref)
         if len(ids) > 1:
             split = len(ids) // 2
-            past = runner.prefill(runner.start(), ids[:split])
-            (got_suffix,), (top_suffix,) = runner.read_suffixes(past, [ids[split:]], labels)
+            row = TextRow(ids, label_ids=every)
+            past = runner.prefill(runner.start(), row.part(0, split))
+            (got_suffix,), (top_suffix,) = read(runner.read_suffixes(past, [row.part(split)]))
             compare(label, ids, got_suffix, top_suffix, f"suffix after {split}", ref)
     ref = config.reference_logprobs(media_ids, media.embeds, media.positions)
     compare("media-embeds", media_ids, media_full[0], media_top[0], "whole prompt", ref)
-    past = runner.prefill(runner.start(), media_ids[:20], media)
-    (got_suffix,), (top_suffix,) = runner.read_suffixes(past, [media_ids[20:]], labels)
+    past = runner.prefill(runner.start(), media_row.part(0, 20))
+    (got_suffix,), (top_suffix,) = read(runner.read_suffixes(past, [media_row.part(20)]))
     compare("media-embeds", media_ids, got_suffix, top_suffix, "suffix after 20", ref)
     worst = max(rows, key=lambda r: r["max_abs_logprob_diff"])
     bad = [r for r in rows if r["max_abs_logprob_diff"] > atol or not r["same_argmax"]]

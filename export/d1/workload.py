@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 
 from ...models.family import Readout
+from ...runtime.batch import TextRow
+from ...runtime.d1.label_reads import label_logprobs
 from ...runtime.engine import Prepared
 from ...runtime.service import DecisionService
 from ..workload import Workload
@@ -27,7 +29,8 @@ class D1Workload(Workload):
         self.labels = label_ids(service.artifact.tokenizer.encode)
 
     def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
-        logprobs, _ = self.service.engine.runner.whole_logprobs([row.tolist() for row in ids], self.labels)
+        rows = [TextRow(row.tolist(), label_ids=tuple(self.labels)) for row in ids]
+        logprobs, _ = label_logprobs(self.service.engine.runner.run_rows(rows), self.labels)
         return logprobs
 
     def torch_inputs(self, model: Any, ids: np.ndarray) -> dict[str, Any]:

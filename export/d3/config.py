@@ -15,11 +15,12 @@ import torch
 
 from ...models.d3 import D3Family, DecisionConfig
 from ...runtime.batch import BatchBudget, MediaRows, TextRow
-from ...runtime.d3.code_logits import D3TextRunner, text_positions
+from ...runtime.d3.code_logits import CodeLogits, code_logits, text_positions
 from ...runtime.d3.state import LINEAR, STATE_FIELDS, state_layout
 from ...runtime.text_state import StateLayout
 from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
+from ...runtime.text_runner import TextRunner
 from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms
 from ..half_precision import FLOAT16_MATMULS
 from ..skeleton import Skeleton
@@ -336,8 +337,9 @@ class D3ExportConfig(ExportConfig):
                 for ids in batch:
                     split = max(len(ids) // 2, 0 if media is None else int(media.positions[-1]) + 1)
                     positions = text_positions(len(ids))
-                    prefix = runner.prefill(TextRow(ids[:split], positions[:, :split], media))
-                    out.append(runner.read_suffixes(prefix, [TextRow(ids[split:], positions[:, split:])])[0])
+                    row = TextRow(ids, positions, media)
+                    prefix = runner.prefill(runner.start(), row.part(0, split))
+                    out.append(code_logits(runner.read_suffixes(prefix, [row.part(split)]))[0])
                 return np.stack(out)
 
             samples = [("media-embeds", prompts[-1][1], media)]
@@ -347,11 +349,15 @@ class D3ExportConfig(ExportConfig):
                 reference(ids)
             reference(samples[0][1], media)
             self.release_reference()
-            runner = D3TextRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(), hidden,
-                                  self.state_layout)
+            runner = TextRunner(GraphSession(staging / "text.onnx", "cpu"), BatchBudget(), CodeLogits(hidden),
+                                self.state_layout)
+
+            def whole(batch: list[list[int]], media: MediaRows | None = None) -> np.ndarray:
+                """Each prompt read whole, `media` rows at the same positions in every one (spec 4.8)."""
+                return code_logits(runner.run_rows([TextRow(ids, text_positions(len(ids)), media) for ids in batch]))
+
             args = (self.decision_config.temperature, atol, prob_atol)
-            report = check_parity(lambda batch, media=None: runner.run(batch, media=media), reference, prompts,
-                                  *args, media_samples=samples)
+            report = check_parity(whole, reference, prompts, *args, media_samples=samples)
             if runner.layout is not None:  # causal: the questions' reads on a prefix read once (prefix reuse)
                 suffixes = check_parity(as_suffixes, reference, [p for p in prompts if len(p[1]) > 1], *args,
                                         media_samples=samples)

@@ -8,13 +8,15 @@ from typing import Any
 import numpy as np
 
 from ...models.family import Readout
+from ...runtime.batch import TextRow
+from ...runtime.d3.code_logits import code_logits
 from ...runtime.engine import Prepared
 from ..workload import Workload
 
 
 class D3Workload(Workload):
     def runtime_batch(self, ids: np.ndarray) -> np.ndarray:
-        return self.service.engine.runner.run([row.tolist() for row in ids])
+        return code_logits(self.service.engine.runner.run_rows([TextRow(row.tolist()) for row in ids]))
 
     def torch_inputs(self, model: Any, ids: np.ndarray) -> dict[str, Any]:
         import torch

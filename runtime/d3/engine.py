@@ -7,26 +7,27 @@ the bidirectional mode reads every whole prompt (spec 4.3)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...models.errors import DecisionError
-from ...models.family import Readout
 from ...models.questions import Question
 from ...models.request import DecisionRequest
 from ..artifact import Artifact
-from ..batch import UNMEASURED_COST, BatchBudget, CallCost, MediaRows, TextRow, drive
+from ..batch import BatchBudget, MediaRows, TextRow
 from ..engine import Engine, EngineOptions, Prepared
 from ..media_encoder import LoadedMedia
 from ..prompt import RenderedPrompt, render_texts
-from ..tokenizer import shared_prefix
-from .code_logits import D3TextRunner, text_positions
+from ..text_runner import TextRunner
+from .code_logits import CodeLogits, text_positions
 from .media import D3MediaEncoder, Preprocessed
 from .placeholders import VISION_END, expand_media, mrope_positions
 from .state import layout_of
+
+if TYPE_CHECKING:
+    from onnxruntime import RunOptions
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,6 @@ class D3Media:
 
 
 class D3Engine(Engine):
-    # Every question is one independent row of the text graph, save the questions of a request whose shared prefix
-    # a causal graph reads once (`runs_whole`).
-    shares_batches = True
     encodes_media_apart = True
 
     def __init__(self, artifact: Artifact, options: EngineOptions):
@@ -54,14 +52,10 @@ class D3Engine(Engine):
         self.max_model_len = min(options.max_model_len or artifact.max_model_len, longest)
         self.budget = BatchBudget(max(options.max_batch_tokens, self.max_model_len), options.attention_budget, heads,
                                   options.slice_s)
-        # None for a bidirectional artifact, or a causal one exported before prefix reuse: whole prompts only.
-        self.layout = layout_of(fields)
-        self.reads_prefixes = self.layout is not None
-        self.runner = D3TextRunner(self.session, self.budget, int(fields["hidden_size"]), self.layout)
+        # The state a causal graph carries; None for a bidirectional artifact, or a causal one exported before
+        # prefix reuse: whole prompts only.
+        self.runner = TextRunner(self.session, self.budget, CodeLogits(int(fields["hidden_size"])), layout_of(fields))
         self.media = D3MediaEncoder(self.vision_session, fields["vision"], options.fetch_policy)
-
-    def warm_up(self) -> None:
-        self.runner.capture()
 
     def _check_tokens(self, question: Question, n: int) -> None:
         if n > self.max_model_len:
@@ -78,7 +72,7 @@ class D3Engine(Engine):
                                 "truncated")
 
     def prepare(self, request: DecisionRequest, questions: list[Question],
-                media: LoadedMedia[Preprocessed] | None = None, draft: Any = None) -> Prepared:
+                media: LoadedMedia[Preprocessed] | None = None, draft: object | None = None) -> Prepared:
         texts = render_texts(self.artifact.template, self.family, request, questions, self._check_characters,
                              self.max_model_len * self.max_chars_per_token)
         tokenizer = self.artifact.tokenizer
@@ -116,72 +110,12 @@ class D3Engine(Engine):
         labels = [self.family.labels(q, tokenizer.encode) for q in questions]
         return Prepared(request, questions, prompts, labels, prepared_media)
 
-    def run(self, prepared: Prepared, run_options: Any = None, encoded: MediaRows | None = None,
-            reuse_prefix: bool = True) -> list[Readout]:
-        """Each question's code logits. With `reuse_prefix` (the default) a request `runs_whole` reads its shared
-        prefix once and its questions as suffixes on that state; without, or otherwise, every whole prompt is a
-        row (the baseline the reuse is measured against)."""
-        return drive(self.run_steps(prepared, run_options, encoded, reuse_prefix))
-
-    def run_steps(self, prepared: Prepared, run_options: Any = None, encoded: MediaRows | None = None,
-                  reuse_prefix: bool = True) -> Generator[None, None, list[Readout]]:
-        """`run` as steps, one graph call (the vision graph's, the prefix, a batch of rows) a step."""
-        if encoded is None and prepared.media is not None:
-            encoded = self.encode_media(prepared, run_options)
-            yield
-        rows = self.rows(prepared, encoded)
-        split = self._reused_prefix(prepared) if reuse_prefix else 0
-        if not split:
-            return self._readouts((yield from self.runner.running_rows(rows, run_options)))
-        media = rows[0].media
-        if media is not None and len(media.positions) and media.positions[-1] >= split:
-            raise RuntimeError("media rows past the shared prefix")
-        first = rows[0]
-        prefix = yield from self.runner.prefilling(TextRow(first.token_ids[:split], first.positions[:, :split], media),
-                                                   run_options)
-        yield
-        suffixes = [TextRow(row.token_ids[split:], row.positions[:, split:]) for row in rows]
-        return self._readouts((yield from self.runner.reading_suffixes(prefix, suffixes, run_options)))
-
-    def _reused_prefix(self, prepared: Prepared) -> int:
-        """The tokens of the prefix read once for this request's questions; 0 where every whole prompt is read: a
-        graph without state, one question, a prefix that saves less than the call it adds
-        (`CallCost.prefix_pays`, as d1 weighs it), or reuse turned off. A prompt too slow for one call (`slow_row`)
-        on a graph with state is read on its prefix whatever the setting, the prefix prefilled in chunks."""
-        ids = [p.token_ids for p in prepared.prompts]
-        if self.layout is not None and self.slow_row([len(i) for i in ids]):
-            return shared_prefix(ids)
-        if self.layout is None or len(ids) < 2 or not self.prefix_reuse:
-            return 0
-        split = shared_prefix(ids)
-        cost = self.runner.cost or UNMEASURED_COST
-        return split if cost.prefix_pays(len(ids), split) else 0
-
-    def runs_whole(self, prepared: Prepared) -> bool:
-        """Whether the request's questions are read on its prefix, read once (`run`), rather than as rows of their
-        own in calls shared with other requests."""
-        return bool(self._reused_prefix(prepared))
-
-    def encode_media(self, prepared: Prepared, run_options: Any = None) -> MediaRows | None:
+    def encode_media(self, prepared: Prepared, run_options: RunOptions | None = None) -> MediaRows | None:
         """The vision rows of the request's media at their prompt positions (the same in every question)."""
         media: D3Media | None = prepared.media
         if media is None:
             return None
         return MediaRows(self.media.encode(media.loaded, run_options), media.positions)
 
-    def use_call_cost(self, cost: CallCost) -> None:
-        super().use_call_cost(cost)
-        self.runner.cost = cost
-
     def rows(self, prepared: Prepared, encoded: MediaRows | None) -> list[TextRow]:
         return [TextRow(p.token_ids, p.positions, encoded) for p in prepared.prompts]
-
-    def run_rows(self, rows: list[TextRow], run_options: Any = None) -> list[Readout]:
-        return self._readouts(self.runner.run_batch(rows, run_options))
-
-    def probe_row(self, length: int) -> TextRow:
-        return TextRow([0] * length, text_positions(length))
-
-    @staticmethod
-    def _readouts(logits: np.ndarray) -> list[Readout]:
-        return [Readout(dict(enumerate(row.tolist()))) for row in logits]
