@@ -200,7 +200,8 @@ def test_a_python_example_with_a_key_fails_against_a_server_with_another(service
     assert done.returncode != 0 and "TypeSafeAuthenticationError" in done.stderr
 
 
-@pytest.mark.parametrize("command, table", [("serve", "## Server flags"), ("export", "## Export flags")])
+@pytest.mark.parametrize("command, table", [("serve", "## Server flags"), ("export", "## Export flags"),
+                                            ("bench", "## Bench flags")])
 def test_every_flag_has_a_row_in_docs_cli(command, table):
     """docs/cli.md's table of a command's flags names each of them, with the default the parser has (`--debug`, which
     every command takes, is said once at the top)."""
