@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import pickle
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,12 +27,50 @@ EVERY_FORM = ["portable", "cuda-fused-fp16", "cuda-fused-mixed", "cuda-fused", "
               "cuda-fp16-matmuls"]
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One core a worker: onnxruntime's and torch's thread pools otherwise each take every core, and two workers'
+    # pools spin against each other.
+    import torch
+
+    from systemone.runtime.session import GraphSession
+
+    torch.set_num_threads(1)
+    _open = GraphSession._open
+    GraphSession._open = staticmethod(lambda path, providers, threads, *rest, **named: _open(
+        path, providers, threads or 1, *rest, **named))
+
+
+@pytest.fixture(scope="session")
+def run_directory(tmp_path_factory) -> Path:
+    """The directory every pytest-xdist worker of this run shares (the session's own without workers), or
+    $SYSTEMONE_TEST_RUN_DIR: scripts/test.sh's two passes share one."""
+    base = tmp_path_factory.getbasetemp()
+    shared = os.environ.get("SYSTEMONE_TEST_RUN_DIR")
+    root = Path(shared) if shared else base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (root / "made-once").mkdir(parents=True, exist_ok=True)
+    return root / "made-once"
+
+
+def once_in_the_run(path: Path, make: Callable[[Path], object]) -> None:
+    """`make(path)`, unless a worker of this run did it already: the first does it under a lock, the others wait
+    for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f"{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = path.with_name(f"{path.name}.done")
+        if not done.exists():
+            if path.is_dir():
+                shutil.rmtree(path)
+            make(path)
+            done.touch()
+
+
 @pytest.fixture(scope="session", autouse=True)
-def traces_made_once_per_checkpoint() -> Iterator[None]:
-    """A checkpoint's graphs traced once per test run: many tests export the same tiny checkpoint (other forms,
-    other gates) and its graphs are the same each time. Keyed by the checkpoint's files as they are now. Traces in
-    worker processes (jobs > 1), tests that call `trace_graph` themselves and tests that watch it (patch it) still
-    trace."""
+def traces_made_once_per_checkpoint(run_directory) -> Iterator[None]:
+    """A checkpoint's graphs traced once per test run, shared by the run's workers: many tests export the same tiny
+    checkpoints (other forms, other gates) and their graphs are the same each time. Keyed by the checkpoint's
+    files as they are now. Traces in export's own worker processes (jobs > 1), tests that call `trace_graph`
+    themselves and tests that watch it (patch it) still trace."""
     from systemone.export import graph_export
 
     traced: dict[tuple, graph_export.TracedGraph] = {}
@@ -51,7 +90,9 @@ def traces_made_once_per_checkpoint() -> Iterator[None]:
         memo = (self.config_class.__qualname__, str(Path(self.checkpoint).resolve()),
                 checkpoint_state(Path(self.checkpoint)), tuple(key), self.seed)
         if memo not in traced:
-            traced[memo] = wait(self, key, spec)
+            path = run_directory / "traces" / hashlib.sha256(repr(memo).encode()).hexdigest()
+            once_in_the_run(path, lambda path: path.write_bytes(pickle.dumps(wait(self, key, spec))))
+            traced[memo] = pickle.loads(path.read_bytes())
         self.done[key] = traced[memo]
         return traced[memo]
 
@@ -61,24 +102,14 @@ def traces_made_once_per_checkpoint() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def made_once(tmp_path_factory) -> Callable[[str, Callable[[Path], Path]], Path]:
+def made_once(run_directory) -> Callable[[str, Callable[[Path], Path]], Path]:
     """`made_once(name, make)`: the path `make(path)` made, once for the whole run. With pytest-xdist every worker
     asks, the first makes it under a lock in the run's shared directory and the others wait for it and take it; the
     checkpoints and artifacts below are read-only for the tests."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    (root / "made-once").mkdir(exist_ok=True)
 
     def made(name: str, make: Callable[[Path], Path]) -> Path:
-        path = root / "made-once" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(f"{path.name}.lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            done = path.with_name(f"{path.name}.done")
-            if not done.exists():
-                shutil.rmtree(path, ignore_errors=True)
-                make(path)
-                done.touch()
+        path = run_directory / name
+        once_in_the_run(path, make)
         return path
 
     return made

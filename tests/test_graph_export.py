@@ -14,7 +14,7 @@ import onnx
 import pytest
 import torch
 
-from systemone.export.graph_export import READABLE_WHILE_TRACED, SKIPPED_RULES, trace_graph
+from systemone.export.graph_export import READABLE_WHILE_TRACED, SKIPPED_RULES, GraphExports, trace_graph
 from systemone.export.pipeline import export_checkpoint
 from systemone.export.source import resolve_checkpoint
 from systemone.export.weights import CheckpointTensors, WeightBook, recipe_of, write_graph
@@ -24,6 +24,11 @@ from systemone.models.registry import FAMILIES
 def _config(checkpoint: Path):
     checkpoint = resolve_checkpoint(str(checkpoint), None)
     return FAMILIES.recognise(checkpoint).load_export_config()(checkpoint)
+
+
+def traced(config, spec, fused: bool = False):
+    """`spec` traced as export traces it (once a test run: tests/conftest.py), for tests of what comes after."""
+    return GraphExports(type(config), config.checkpoint).wait(("fused" if fused else "portable", spec.name), spec)
 
 
 def without_debug_records(path: Path) -> bytes:
@@ -83,14 +88,14 @@ def test_a_graph_is_traced_without_reading_its_weights(d3_causal_checkpoint, mon
 def test_the_weights_are_made_within_the_memory_bound_and_written_as_the_checkpoint_stores_them(
         d3_checkpoint, monkeypatch, tmp_path):
     config = _config(d3_checkpoint)
-    traced = trace_graph(config.graphs()[0], config.skeleton.tensors)
+    text = traced(config, config.graphs()[0])
     log = ReadLog(monkeypatch)
     # A bound smaller than any weight: one made at a time, however many threads.
-    path = write_graph(traced.proto(), tmp_path / "text.onnx", traced.book, config.skeleton.tensors, threads=4,
+    path = write_graph(text.proto(), tmp_path / "text.onnx", text.book, config.skeleton.tensors, threads=4,
                        in_flight_bytes=1)
     assert log.most_live <= 2  # one weight, or the two a folded node reads
     (tmp_path / "threaded").mkdir()
-    threaded = write_graph(traced.proto(), tmp_path / "threaded" / "text.onnx", traced.book,
+    threaded = write_graph(text.proto(), tmp_path / "threaded" / "text.onnx", text.book,
                            config.skeleton.tensors, threads=4)
     assert log.most_live > 2  # several made at once
     for suffix in ("", ".data"):  # in the same order, byte for byte
@@ -206,7 +211,7 @@ def test_the_values_between_a_stacks_pieces_keep_their_types(d3_checkpoint):
     """The half-precision rewrite reads every float value's type: the stream passed from the front to the first
     block and from block to block is typed like any value inside a piece."""
     config = _config(d3_checkpoint)
-    proto = trace_graph(config.graphs(fused=True)[0], config.skeleton.tensors).proto()
+    proto = traced(config, config.graphs(fused=True)[0], fused=True).proto()
     typed = {value.name: value.type.tensor_type.elem_type for value in proto.graph.value_info}
     layers = config.text_config.num_hidden_layers
     between = ["front/hidden", "front/update", *(f"layers.{i}/next_{name}" for i in range(layers - 1)
@@ -221,7 +226,7 @@ def test_no_weight_is_reshaped_when_the_graph_runs(d3_checkpoint, fused):
     and nothing of them is computed again at each call."""
     config = _config(d3_checkpoint)
     for spec in config.graphs(fused=fused):
-        graph = trace_graph(spec, config.skeleton.tensors).proto().graph
+        graph = traced(config, spec, fused).proto().graph
         weights = {t.name for t in graph.initializer if recipe_of(t) is not None}
         constants = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant"
                                                             for o in n.output}
