@@ -1,4 +1,16 @@
 #!/usr/bin/env bash
-# The test command: sets up .venv (export + test extras) and runs the whole suite on tiny random checkpoints.
+# The test command: sets up .venv (export + test extras) and runs the whole suite on tiny random checkpoints, on two
+# worker processes, then the tests marked `alone` (latency bounds that another process's load would move) by
+# themselves. Both passes share one directory of checkpoints, traces and artifacts made once
+# (docs/decisions/test-suite-time.md). TEST_WORKERS=0: one process.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-exec .venv/bin/python -m pytest "$@"
+if [ -z "${SYSTEMONE_TEST_RUN_DIR:-}" ]; then
+  SYSTEMONE_TEST_RUN_DIR="$(mktemp -d)"
+  trap 'rm -rf "$SYSTEMONE_TEST_RUN_DIR"' EXIT
+fi
+export SYSTEMONE_TEST_RUN_DIR
+passed() { [ "$1" -eq 0 ] || [ "$1" -eq 5 ]; }  # 5: the pass selected no test
+first=0 second=0
+.venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist worksteal -m "not alone" "$@" || first=$?
+.venv/bin/python -m pytest -p no:xdist -m alone "$@" || second=$?
+passed "$first" && passed "$second"

@@ -548,6 +548,7 @@ def test_a_request_that_cannot_finish_in_time_is_refused_at_once(d1_service, mon
     assert seconds < 3, seconds
 
 
+@pytest.mark.alone
 def test_a_good_requests_p99_beside_the_heaviest_client_stays_within_the_bound(d1_service):
     """Issue 50 item 4's bound (README "Bounds under hostile load"): one-question requests, one at a time, first
     alone, then while another client keeps sending 8-question requests over a state of about 9,000 tokens (about
