@@ -156,11 +156,11 @@ def test_the_optimizer_runs_without_the_skipped_rules_and_gets_them_back(monkeyp
 
 
 def test_graphs_traced_in_worker_processes_make_the_same_artifact(d3_causal_checkpoint, d3_causal_artifact, tmp_path):
-    out = export_checkpoint(str(d3_causal_checkpoint), tmp_path / "art", jobs=2,
-                            forms=["portable", "cuda-fused-fp16"])
-    graphs = sorted(path.name for path in d3_causal_artifact.glob("*.onnx"))
-    assert graphs == sorted(path.name for path in out.glob("*.onnx"))
-    assert len(graphs) >= 4  # the portable text and vision graphs, and the form's
+    """The fused graphs, whose specs a worker builds again with their custom ops registered there, are those traced
+    in one process; the portable graphs take the same path (`spec_of`) without the custom ops."""
+    out = export_checkpoint(str(d3_causal_checkpoint), tmp_path / "art", jobs=2, forms=["cuda-fused-fp16"])
+    graphs = sorted(path.name for path in out.glob("*.onnx"))
+    assert graphs == ["text.cuda-fused-fp16.onnx", "vision.cuda-fused-fp16.onnx"]
     for name in graphs:
         assert same_graph(out / name, d3_causal_artifact / name), name
     assert not list(tmp_path.glob(".art.*")), "a staging folder was left behind"
