@@ -1,5 +1,6 @@
-"""Family d1 on onnxruntime: the Liquid prompts of a request, its shared prefix prefilled once, the questions read
-as suffixes on its state (spec 3).
+"""Family d1 on onnxruntime: the Liquid prompts of a request and their label reads (spec 3), run by the shared text
+runner (runtime/text_runner.py): the prefix a request's questions share read once where that saves more than the
+call it adds (`Engine.prefix_split`), each question's whole prompt a row otherwise.
 
 Order of the checks, as vLLM runs them (spec 1.3 step 8): images fetched and read, then every question's prompt
 rendered, tokenized and checked for length (3.9) and its generation tail (3.5), then every question's label groups
