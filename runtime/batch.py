@@ -198,10 +198,6 @@ class MediaRows:
         keep = (self.positions >= start) & (self.positions < stop)
         return MediaRows(self.embeds[keep], self.positions[keep] - start)
 
-    def in_every_row(self, batch: int, width: int) -> MediaRows:
-        """The same rows at the same positions of each row of a [batch, width] batch, as flat indices."""
-        return MediaRows.in_rows([self] * batch, width, self.embeds.shape[1])
-
     @staticmethod
     def in_rows(rows: Sequence[MediaRows | None], width: int, hidden: int) -> MediaRows:
         """Each batch row's own media rows (None: a text-only row) as flat indices into a [len(rows), width] batch
