@@ -45,6 +45,42 @@ def _rewrite_rules_without(names: Collection[str]) -> Iterator[None]:
         rewriter._DEFAULT_REWRITE_RULES = rules
 
 
+_TORCHLIB_REGISTRIES: dict[str, Any] = {}
+
+
+@contextmanager
+def _torchlib_registry_built_once() -> Iterator[None]:
+    """Inside the block, torch.onnx.export's registry of torchlib functions is built once per opset and copied for
+    each call: the exporter builds it anew in every call (every function's source parsed again, about 1.3 s on one
+    core), and a d3 export makes 14 calls. A copy's lists are its own, so the translations one call registers stay
+    out of the next. A torch without that classmethod: its exporter as it is."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        yield
+        return
+    registry_class = _registration.ONNXRegistry
+    built = registry_class.__dict__.get("from_torchlib")
+    if not isinstance(built, classmethod):
+        yield
+        return
+
+    def from_torchlib(cls, *args: Any, **named: Any) -> Any:
+        key = repr((cls, args, sorted(named.items())))
+        if key not in _TORCHLIB_REGISTRIES:
+            _TORCHLIB_REGISTRIES[key] = built.__func__(cls, *args, **named)
+        copy = object.__new__(cls)
+        copy.__dict__.update(_TORCHLIB_REGISTRIES[key].__dict__)
+        copy.functions = {target: list(metas) for target, metas in copy.functions.items()}
+        return copy
+
+    registry_class.from_torchlib = classmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        registry_class.from_torchlib = built
+
+
 # A virtual weight this small may be read while the graph is traced (the optimizer reads small constants, and its
 # rewrite rules a bias vector: d3-nano's vision attention reads its 3,072); a larger one read there is a fault of
 # the tracer, which would hold the model after all.
@@ -186,7 +222,7 @@ def trace_graph(spec: GraphSpec, tensors: CheckpointTensors,
     module = copy.deepcopy(built).to("meta")
     inputs = torch.utils._pytree.tree_map(
         lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, spec.example_inputs())
-    with torch.no_grad():
+    with torch.no_grad(), _torchlib_registry_built_once():
         program = torch.onnx.export(module, inputs, dynamo=True, optimize=False, opset_version=OPSET,
                                     input_names=spec.inputs, output_names=spec.outputs,
                                     dynamic_shapes=spec.dynamic_shapes, custom_translation_table=spec.translations,

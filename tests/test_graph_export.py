@@ -155,6 +155,26 @@ def test_the_optimizer_runs_without_the_skipped_rules_and_gets_them_back(monkeyp
     assert seen[1] == {rule.name for rule in before}
 
 
+def test_each_export_call_gets_its_own_copy_of_a_torchlib_registry_built_once():
+    from torch.onnx._internal.exporter import _registration
+
+    from systemone.export import graph_export
+
+    registry_class = _registration.ONNXRegistry
+    built = registry_class.__dict__["from_torchlib"]
+    add = torch.ops.aten.add.Tensor
+    with graph_export._torchlib_registry_built_once():
+        first = registry_class.from_torchlib()
+        kept = len(graph_export._TORCHLIB_REGISTRIES)
+        first.register_op(add, lambda x, y: x)  # a translation one export call registers
+        second = registry_class.from_torchlib()
+        assert len(graph_export._TORCHLIB_REGISTRIES) == kept, "the registry was built again"
+    assert first.get_decomps(add)[0].is_custom
+    assert not any(meta.is_custom for meta in second.get_decomps(add)), "a call's translation reached the next"
+    assert second.get_decomps(add) == registry_class.from_torchlib().get_decomps(add)
+    assert registry_class.__dict__["from_torchlib"] is built
+
+
 def test_graphs_traced_in_worker_processes_make_the_same_artifact(d3_causal_checkpoint, d3_causal_artifact, tmp_path):
     """The fused graphs, whose specs a worker builds again with their custom ops registered there, are those traced
     in one process; the portable graphs take the same path (`spec_of`) without the custom ops."""
