@@ -68,27 +68,31 @@ def once_in_the_run(path: Path, make: Callable[[Path], object]) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def traces_made_once_per_checkpoint(run_directory) -> Iterator[None]:
     """A checkpoint's graphs traced once per test run, shared by the run's workers: many tests export the same tiny
-    checkpoints (other forms, other gates) and their graphs are the same each time. Keyed by the checkpoint's
-    files as they are now. Traces in export's own worker processes (jobs > 1), tests that call `trace_graph`
-    themselves and tests that watch it (patch it) still trace."""
+    checkpoints (other forms, other gates, copies in a hub cache) and their graphs are the same each time. Keyed by
+    the contents of the checkpoint's files as they are now. Traces in export's own worker processes (jobs > 1),
+    tests that call `trace_graph` themselves and tests that watch it (patch it) still trace."""
     from systemone.export import graph_export
 
     traced: dict[tuple, graph_export.TracedGraph] = {}
+    digests: dict[tuple, str] = {}
     wait, trace_graph = graph_export.GraphExports.wait, graph_export.trace_graph
 
-    def checkpoint_state(root: Path) -> str:
-        digest = hashlib.sha256()
-        for path in sorted(root.iterdir()):
-            if path.is_file():
-                stat = path.stat()
-                digest.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}".encode())
-        return digest.hexdigest()
+    def file_digest(path: Path) -> str:
+        stat = path.stat()
+        state = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if state not in digests:
+            with open(path, "rb") as file:
+                digests[state] = hashlib.file_digest(file, "sha256").hexdigest()
+        return digests[state]
+
+    def checkpoint_contents(root: Path) -> str:
+        return hashlib.sha256(repr([(path.name, file_digest(path)) for path in sorted(root.iterdir())
+                                    if path.is_file()]).encode()).hexdigest()
 
     def once(self, key, spec):
         if self.pool is not None or key in self.done or graph_export.trace_graph is not trace_graph:
             return wait(self, key, spec)
-        memo = (self.config_class.__qualname__, str(Path(self.checkpoint).resolve()),
-                checkpoint_state(Path(self.checkpoint)), tuple(key), self.seed)
+        memo = (self.config_class.__qualname__, checkpoint_contents(Path(self.checkpoint)), tuple(key), self.seed)
         if memo not in traced:
             path = run_directory / "traces" / hashlib.sha256(repr(memo).encode()).hexdigest()
             once_in_the_run(path, lambda path: path.write_bytes(pickle.dumps(wait(self, key, spec))))
