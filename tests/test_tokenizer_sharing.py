@@ -101,3 +101,19 @@ def test_the_common_start_of_two_texts(step):
         b = a[:rng.randrange(len(a) + 1)] + "".join(rng.choice("ab") for _ in range(rng.randrange(0, 8)))
         expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         assert common_start(a, b, step) == expected, (a, b)
+
+
+def test_a_tokenizer_file_is_parsed_once_for_its_contents_wherever_it_lies(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    def saved(name: str, vocab: dict[str, int]) -> Path:
+        path = tmp_path / name / "tokenizer.json"
+        path.parent.mkdir()
+        Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(path))
+        return path
+
+    first, copy = saved("a", {"[UNK]": 0, "yes": 1}), saved("b", {"[UNK]": 0, "yes": 1})
+    other = saved("c", {"[UNK]": 0, "no": 1})
+    assert PromptTokenizer(first)._tokenizer is PromptTokenizer(copy)._tokenizer
+    assert PromptTokenizer(other)._tokenizer is not PromptTokenizer(first)._tokenizer
+    assert PromptTokenizer(other).token_id("no") == 1 and PromptTokenizer(copy).token_id("no") is None
