@@ -1,6 +1,7 @@
-"""Fuzz: 10,000 generated bad requests against a live loopback d3 server, 3,000 against a d1 one (whose
+"""Fuzz: 3,000 generated bad requests against a live loopback d3 server and 3,000 against a d1 one (whose
 valid body also carries instructions and chat_template_kwargs). Zero 5xx, zero hangs, every body JSON, and the
-server still answers a good request afterwards (decision 1)."""
+server still answers a good request afterwards (decision 1). 3,000 at this seed reach every refusal the generator
+reached in 10,000 (docs/decisions/test-suite-time.md)."""
 
 from __future__ import annotations
 
@@ -142,8 +143,8 @@ def fuzz(service, valid: dict, count: int) -> None:
     assert good.status_code == 200 and set(good.json()["answers"]) == {"urgent", "team", "anger"}
 
 
-def test_ten_thousand_bad_requests_d3(d3_service):
-    fuzz(d3_service, VALID_D3, 10_000)
+def test_three_thousand_bad_requests_d3(d3_service):
+    fuzz(d3_service, VALID_D3, 3_000)
 
 
 def test_three_thousand_bad_requests_d1(d1_service):
