@@ -119,6 +119,17 @@ def made_once(run_directory) -> Callable[[str, Callable[[Path], Path]], Path]:
     return made
 
 
+@pytest.fixture(scope="session", autouse=True)
+def each_worker_starts_with_its_own_artifact(request, traces_made_once_per_checkpoint, artifact_cache) -> None:
+    """Under pytest-xdist, worker N first makes the N-th of the run's shared artifacts: the first tests of both
+    workers need one, and a worker whose first test needs the artifact the other is exporting otherwise waits for it
+    idle (74 s of a fresh clone's CI)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    order = ["d3_artifact", "d1_artifact", "d3_causal_artifact"]
+    if worker.startswith("gw") and int(worker[2:]) < len(order):
+        request.getfixturevalue(order[int(worker[2:])])
+
+
 @pytest.fixture(scope="session")
 def d3_checkpoint(made_once) -> Path:
     return made_once("ckpt/d3-tiny", lambda path: build_d3_checkpoint(
