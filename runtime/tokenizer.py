@@ -85,10 +85,10 @@ def common_start(a: Sequence, b: Sequence, step: int = 4096) -> int:
 
 
 class ParsedTokenizer:
-    """A tokenizer file parsed, without truncation or padding, and what is read off its whole vocabulary once."""
+    """A tokenizer file's text parsed, without truncation or padding, and what is read off its whole vocabulary once."""
 
-    def __init__(self, path: str | Path):
-        self.tokenizer = Tokenizer.from_file(str(path))
+    def __init__(self, text: str):
+        self.tokenizer = Tokenizer.from_str(text)
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
 
@@ -107,11 +107,11 @@ _PARSING = threading.Lock()
 
 def parsed_tokenizer(path: str | Path) -> ParsedTokenizer:
     """The tokenizer in the file `path`, parsed once per contents in a process."""
-    with open(path, "rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    data = Path(path).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
     with _PARSING:
         if digest not in _PARSED:
-            _PARSED[digest] = ParsedTokenizer(path)
+            _PARSED[digest] = ParsedTokenizer(data.decode("utf-8"))
             while len(_PARSED) > _PARSED_KEPT:
                 _PARSED.popitem(last=False)
         _PARSED.move_to_end(digest)
