@@ -15,6 +15,7 @@ import pytest
 from tests.d1_checkpoint import build_d1_checkpoint
 from tests.d3_checkpoint import build_d3_checkpoint
 from systemone.export.pipeline import export_checkpoint
+from systemone.export.source import file_hashes
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.pixel_workers import PixelWorkers
@@ -74,20 +75,10 @@ def traces_made_once_per_checkpoint(run_directory) -> Iterator[None]:
     from systemone.export import graph_export
 
     traced: dict[tuple, graph_export.TracedGraph] = {}
-    digests: dict[tuple, str] = {}
     wait, trace_graph = graph_export.GraphExports.wait, graph_export.trace_graph
 
-    def file_digest(path: Path) -> str:
-        stat = path.stat()
-        state = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-        if state not in digests:
-            with open(path, "rb") as file:
-                digests[state] = hashlib.file_digest(file, "sha256").hexdigest()
-        return digests[state]
-
     def checkpoint_contents(root: Path) -> str:
-        return hashlib.sha256(repr([(path.name, file_digest(path)) for path in sorted(root.iterdir())
-                                    if path.is_file()]).encode()).hexdigest()
+        return hashlib.sha256(repr(sorted(file_hashes(root).items())).encode()).hexdigest()
 
     def once(self, key, spec):
         if self.pool is not None or key in self.done or graph_export.trace_graph is not trace_graph:

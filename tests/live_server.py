@@ -30,9 +30,10 @@ def measured_once(service: DecisionService) -> None:
     engine = service.engine
     key = (str(service.artifact.root.resolve()), service.artifact.form, repr(engine.budget), engine.captured_rows,
            engine.max_model_len)
-    if key not in _MEASURED:
+    if key in _MEASURED:
+        service.adopt_batch_sizing(_MEASURED[key])
+    else:
         _MEASURED[key] = service.batch_sizing()
-    service.adopt_batch_sizing(_MEASURED[key])
 
 
 @contextmanager
