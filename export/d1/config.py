@@ -178,12 +178,12 @@ class D1ExportConfig(ExportConfig):
         if pixels is not None:
             tensors = {k: torch.as_tensor(v).to(device) for k, v in pixels.items()}
             tensors["pixel_values"] = tensors["pixel_values"].to(self.model.dtype)
-            out = self.model(input_ids=ids, **tensors)
+            out = self.model(input_ids=ids, logits_to_keep=1, **tensors)
         else:
             embeds = self.model.get_input_embeddings()(ids)
             if media_embeds is not None:
                 embeds[0, torch.from_numpy(media_positions).to(device)] = torch.from_numpy(media_embeds).to(device)
-            out = self.model(inputs_embeds=embeds)
+            out = self.model(inputs_embeds=embeds, logits_to_keep=1)
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu().numpy()
 
     @torch.no_grad()
