@@ -66,6 +66,19 @@ def once_in_the_run(path: Path, make: Callable[[Path], object]) -> None:
             done.touch()
 
 
+_CONTENTS: dict[tuple, str] = {}
+
+
+def checkpoint_contents(root: Path) -> str:
+    """A digest of the checkpoint's files as they are now (hashed again only when a file's size or time changes)."""
+    root = Path(root)
+    stamp = (str(root.resolve()), tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                                               for p in root.rglob("*") if p.is_file())))
+    if stamp not in _CONTENTS:
+        _CONTENTS[stamp] = hashlib.sha256(repr(sorted(file_hashes(root).items())).encode()).hexdigest()
+    return _CONTENTS[stamp]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def traces_made_once_per_checkpoint(run_directory) -> Iterator[None]:
     """A checkpoint's graphs traced once per test run, shared by the run's workers: many tests export the same tiny
@@ -76,9 +89,6 @@ def traces_made_once_per_checkpoint(run_directory) -> Iterator[None]:
 
     traced: dict[tuple, graph_export.TracedGraph] = {}
     wait, trace_graph = graph_export.GraphExports.wait, graph_export.trace_graph
-
-    def checkpoint_contents(root: Path) -> str:
-        return hashlib.sha256(repr(sorted(file_hashes(root).items())).encode()).hexdigest()
 
     def once(self, key, spec):
         if self.pool is not None or key in self.done or graph_export.trace_graph is not trace_graph:
@@ -94,6 +104,69 @@ def traces_made_once_per_checkpoint(run_directory) -> Iterator[None]:
     graph_export.GraphExports.wait = once
     yield
     graph_export.GraphExports.wait = wait
+
+
+def _digest(value: object, into) -> None:
+    """Feeds `value` (arrays, tensors, containers, scalars) into the hash `into`, its types and shapes included."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        into.update(repr(("array", value.dtype.str, value.shape)).encode())
+        into.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, dict):
+        into.update(b"{")
+        for key in sorted(value):
+            _digest(key, into)
+            _digest(value[key], into)
+        into.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        into.update(f"{type(value).__name__}({len(value)}".encode())
+        for item in value:
+            _digest(item, into)
+        into.update(b")")
+    else:
+        into.update(repr((type(value).__name__, value)).encode())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_references_computed_once_per_checkpoint(run_directory) -> Iterator[None]:
+    """The torch reference's answer to a prompt computed once per test run, shared by the run's workers: the run's
+    fourteen form gates read the same 210 prompts of the same tiny checkpoints, and d1's parity test reads the
+    gate's. Keyed by the checkpoint's contents, the config's decision settings (a test switches the attention
+    mode), the reference's device and every argument; a test that patches a reference method still computes."""
+    import numpy as np
+
+    from systemone.export.d1.config import D1ExportConfig
+    from systemone.export.d3.config import D3ExportConfig
+
+    methods = {D3ExportConfig: ("reference_logits", "reference_logits_with_media"),
+               D1ExportConfig: ("reference_logprobs",)}
+    originals = {(cls, name): getattr(cls, name) for cls, names in methods.items() for name in names}
+
+    def once(cls, name, compute):
+        def reference(self, *args, **named):
+            key = hashlib.sha256()
+            settings = getattr(self, "decision_config", None)
+            _digest([cls.__qualname__, name, checkpoint_contents(self.checkpoint),
+                     repr(sorted(vars(settings).items())) if settings is not None else None,
+                     getattr(self, "reference_device", "cpu"), list(args), named], key)
+            path = run_directory / "references" / f"{key.hexdigest()}.npy"
+            if not path.exists():
+                path.parent.mkdir(exist_ok=True)
+                staging = path.with_name(f"{path.stem}.{os.getpid()}.npy")
+                np.save(staging, compute(self, *args, **named))
+                os.replace(staging, path)  # whole or absent, for a worker reading it meanwhile
+            return np.load(path)
+        return reference
+
+    for (cls, name), compute in originals.items():
+        setattr(cls, name, once(cls, name, compute))
+    yield
+    for (cls, name), compute in originals.items():
+        setattr(cls, name, compute)
 
 
 @pytest.fixture(scope="session")
