@@ -184,10 +184,12 @@ def made_once(run_directory) -> Callable[[str, Callable[[Path], Path]], Path]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def each_worker_starts_with_its_own_artifact(request, traces_made_once_per_checkpoint, artifact_cache) -> None:
+def each_worker_starts_with_its_own_artifact(request, traces_made_once_per_checkpoint,
+                                              torch_references_computed_once_per_checkpoint, artifact_cache) -> None:
     """Under pytest-xdist, worker N first makes the N-th of the run's shared artifacts: the first tests of both
     workers need one, and a worker whose first test needs the artifact the other is exporting otherwise waits for it
-    idle (74 s of a fresh clone's CI)."""
+    idle (74 s of a fresh clone's CI). After the run's memos of traces and references (autouse fixtures are set up
+    in the order of their names), so that these exports fill them."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     order = ["d3_artifact", "d1_artifact", "d3_causal_artifact"]
     if worker.startswith("gw") and int(worker[2:]) < len(order):
