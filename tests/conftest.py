@@ -41,6 +41,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         path, providers, threads or 1, *rest, **named))
 
 
+def pytest_deselected(items) -> None:
+    """The tests a run leaves out as `alone`, by id, in $SYSTEMONE_ALONE_TESTS: scripts/test.sh's second pass runs
+    them by id instead of collecting the whole suite again to find them."""
+    listed = os.environ.get("SYSTEMONE_ALONE_TESTS")
+    if listed:
+        with open(listed, "a") as out:
+            out.writelines(f"{item.nodeid}\n" for item in items if item.get_closest_marker("alone"))
+
+
 @pytest.fixture(scope="session")
 def run_directory(tmp_path_factory) -> Path:
     """The directory every pytest-xdist worker of this run shares (the session's own without workers), or
