@@ -145,7 +145,8 @@ def torch_references_computed_once_per_checkpoint(run_directory) -> Iterator[Non
     """The torch reference's answer to a prompt computed once per test run, shared by the run's workers: the run's
     fourteen form gates read the same 210 prompts of the same tiny checkpoints, and d1's parity test reads the
     gate's. Keyed by the checkpoint's contents, the config's decision settings (a test switches the attention
-    mode), the reference's device and every argument; a test that patches a reference method still computes."""
+    mode), the reference's device and every argument. A test that patches a reference method over this one still
+    gets its patch (test_export's shifted reference fails its gate as before)."""
     import numpy as np
 
     from systemone.export.d1.config import D1ExportConfig

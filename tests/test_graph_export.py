@@ -6,7 +6,6 @@ written in one process."""
 from __future__ import annotations
 
 import filecmp
-import pickle
 import weakref
 from pathlib import Path
 
@@ -76,30 +75,12 @@ class ReadLog:
         self.live -= 1
 
 
-@pytest.fixture(scope="session")
-def traced_with_every_rule(d3_causal_checkpoint, made_once):
-    """d3's causal text graph (the chunked delta rule in a Scan, with the state in and out: the most Slices of any)
-    traced with the optimizer's full rule set, and the checkpoint's reads (key, size) while it was traced: one trace
-    a test run for the two tests below, whichever worker runs them."""
+def test_a_graph_is_traced_without_reading_its_weights(d3_causal_checkpoint, monkeypatch):
     config = _config(d3_causal_checkpoint)
-    spec = config.graphs()[0]
-
-    def trace(path: Path) -> None:
-        with pytest.MonkeyPatch.context() as patch:
-            log = ReadLog(patch)
-            torch.manual_seed(0)
-            traced = trace_graph(spec, config.skeleton.tensors, skipped_rules=())
-        path.write_bytes(pickle.dumps((traced, log.reads)))
-
-    traced, reads = pickle.loads(made_once("every-rule/d3-tiny-causal", trace).read_bytes())
-    return config, spec, traced, reads
-
-
-def test_a_graph_is_traced_without_reading_its_weights(traced_with_every_rule):
-    _, _, traced, reads = traced_with_every_rule
-    assert reads, "the read log saw nothing"
-    assert all(size <= READABLE_WHILE_TRACED for _, size in reads), reads
-    assert not any(key.endswith("embed_tokens.weight") for key, _ in reads)
+    log = ReadLog(monkeypatch)
+    traced = trace_graph(config.graphs()[0], config.skeleton.tensors)
+    assert all(size <= READABLE_WHILE_TRACED for _, size in log.reads), log.reads
+    assert not any(key.endswith("embed_tokens.weight") for key, _ in log.reads)
     virtual = [t for t in traced.proto().graph.initializer if recipe_of(t) is not None]
     assert sum(int(np.prod(t.dims)) for t in virtual) > 16_000_000  # the embedding table among them, unread
 
@@ -144,8 +125,12 @@ def test_a_half_precision_weight_is_written_in_fp16_from_its_recipe(tmp_path):
     assert written[0, 0] > 0 and np.isfinite(written[0, 2]) and written[0, 1] == -3.0 and written[0, 3] == 0.5
 
 
-def test_the_portable_graph_is_that_of_the_full_rule_set(traced_with_every_rule, d3_causal_artifact, tmp_path):
-    config, spec, traced, _ = traced_with_every_rule
+def test_the_portable_graph_is_that_of_the_full_rule_set(d3_causal_checkpoint, d3_causal_artifact, tmp_path):
+    # d3's causal text graph: the chunked delta rule in a Scan, with the state in and out (the most Slices of any).
+    config = _config(d3_causal_checkpoint)
+    spec = config.graphs()[0]
+    torch.manual_seed(0)
+    traced = trace_graph(spec, config.skeleton.tensors, skipped_rules=())
     full = write_graph(traced.proto(), tmp_path / spec.file, traced.book, config.skeleton.tensors)
     assert same_graph(d3_causal_artifact / spec.file, full)
 
