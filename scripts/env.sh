@@ -26,7 +26,7 @@ print(shlex.join(out))'
 }
 install_with_uv() {
   .venv/bin/python -m pip install -q uv || return 1
-  # shellcheck disable=SC2046 # the flags are quoted by shlex.join
+  # eval: pip_sources prints its flags quoted (shlex.join)
   eval ".venv/bin/uv pip install --python .venv/bin/python --index-strategy unsafe-best-match $(pip_sources)" \
     '-e ".[${EXTRAS:-test}]"'
 }
