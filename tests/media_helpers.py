@@ -4,6 +4,7 @@ forward proxy, and a media encoder whose one job is held until stopped."""
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
 import io
 import select
@@ -73,6 +74,11 @@ def palette_png() -> bytes:
 
 def test_images() -> dict[str, bytes]:
     """At least 8 images: 50x50 to 4000x3000, extreme aspect ratios, RGBA, palette, EXIF-rotated."""
+    return dict(_encoded_test_images())
+
+
+@functools.cache  # 4 s to encode, and several test modules read them
+def _encoded_test_images() -> dict[str, bytes]:
     def png(name):
         return encoded(Image.fromarray(fixture_image(name)), "PNG")
 
