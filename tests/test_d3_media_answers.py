@@ -4,6 +4,7 @@ request, answers equal to the torch model's (transformers' whole Qwen3_5Model) o
 from __future__ import annotations
 
 import base64
+import hashlib
 
 import numpy as np
 import pytest
@@ -67,7 +68,21 @@ def compare(service, body, reference_logits) -> tuple[int, float]:
 
 @pytest.fixture(scope="module")
 def reference(d3_checkpoint):
-    return D3ExportConfig(d3_checkpoint)
+    """The torch model, its vision tower run once per media: a request's questions share its images, and the tower
+    is a pure function of the pixels (the text model still reads every question's whole prompt)."""
+    config = D3ExportConfig(d3_checkpoint)
+    model = config.model
+    encode, kept = model.get_image_features, {}
+
+    def once_per_media(pixel_values, grid_thw=None, **named):
+        key = (hashlib.sha256(pixel_values.detach().cpu().numpy().tobytes()).hexdigest(), repr(grid_thw.tolist()),
+               repr(sorted(named.items())))
+        if key not in kept:
+            kept[key] = encode(pixel_values, grid_thw, **named)
+        return kept[key]
+
+    model.get_image_features = once_per_media  # videos are encoded through it too
+    return config
 
 
 def test_images_match_the_torch_model(d3_service, reference):
