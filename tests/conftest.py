@@ -78,6 +78,15 @@ def once_in_the_run(path: Path, make: Callable[[Path], object]) -> None:
 _CONTENTS: dict[tuple, str] = {}
 
 
+def file_contents(path: Path) -> str:
+    """A digest of the file as it is now (hashed again only when its size or time changes)."""
+    stat = path.stat()
+    stamp = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if stamp not in _CONTENTS:
+        _CONTENTS[stamp] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return _CONTENTS[stamp]
+
+
 def checkpoint_contents(root: Path) -> str:
     """A digest of the checkpoint's files as they are now (hashed again only when a file's size or time changes)."""
     root = Path(root)
@@ -179,6 +188,44 @@ def torch_references_computed_once_per_checkpoint(run_directory) -> Iterator[Non
         setattr(cls, name, compute)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rows_a_call_measured_once_per_graph(run_directory) -> Iterator[None]:
+    """A service's rows a call measured once per test run and shared by its workers, keyed by the text graph's files,
+    the engine, provider, thread count and budget, as `serve` keeps a start's measurement for an artifact on the
+    machine (systemone/batch_rows.py): the gates of a dozen exports and the tests' services measure the same few
+    graphs, about 3 s each. An engine whose session or calls a test replaced still measures."""
+    import json
+
+    from systemone.runtime import service
+    from systemone.runtime.batch_sizing import BatchSizing
+    from systemone.runtime.d1.engine import D1Engine
+    from systemone.runtime.d3.engine import D3Engine
+    from systemone.runtime.linked_weights import links_path
+    from systemone.runtime.session import GraphSession
+
+    measure = service.measure_batch_rows
+
+    def once(engine, *args, **named):
+        runner = engine.runner
+        if (args or named or type(engine) not in (D1Engine, D3Engine) or runner is None
+                or type(runner.session) is not GraphSession or runner.session is not engine.session
+                or {"run_rows", "probe_row"} & set(vars(engine))):
+            return measure(engine, *args, **named)
+        graph = Path(engine.artifact.graph_path("text"))
+        files = [path for path in (graph, Path(f"{graph}.data"), links_path(graph)) if path.exists()]
+        key = hashlib.sha256()
+        _digest([type(engine).__qualname__, [file_contents(path) for path in files],
+                 engine.session.provider, engine.session.session.get_session_options().intra_op_num_threads,
+                 repr(engine.budget), engine.captured_rows, engine.max_model_len], key)
+        path = run_directory / "rows-a-call" / f"{key.hexdigest()}.json"
+        once_in_the_run(path, lambda path: path.write_text(json.dumps(measure(engine).to_dict())))
+        return BatchSizing.from_dict(json.loads(path.read_text()))
+
+    service.measure_batch_rows = once
+    yield
+    service.measure_batch_rows = measure
+
+
 @pytest.fixture(scope="session")
 def made_once(run_directory) -> Callable[[str, Callable[[Path], Path]], Path]:
     """`made_once(name, make)`: the path `make(path)` made, once for the whole run. With pytest-xdist every worker
@@ -195,11 +242,12 @@ def made_once(run_directory) -> Callable[[str, Callable[[Path], Path]], Path]:
 
 @pytest.fixture(scope="session", autouse=True)
 def each_worker_starts_with_its_own_artifact(request, traces_made_once_per_checkpoint,
-                                              torch_references_computed_once_per_checkpoint, artifact_cache) -> None:
+                                              torch_references_computed_once_per_checkpoint,
+                                              rows_a_call_measured_once_per_graph, artifact_cache) -> None:
     """Under pytest-xdist, worker N first makes the N-th of the run's shared artifacts: the first tests of both
     workers need one, and a worker whose first test needs the artifact the other is exporting otherwise waits for it
-    idle (74 s of a fresh clone's CI). After the run's memos of traces and references (autouse fixtures are set up
-    in the order of their names), so that these exports fill them."""
+    idle (74 s of a fresh clone's CI). After the run's memos (autouse fixtures are set up in the order of their
+    names), so that these exports fill them."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     order = ["d3_artifact", "d1_artifact", "d3_causal_artifact"]
     if worker.startswith("gw") and int(worker[2:]) < len(order):

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import uvicorn
 
 from systemone.local_server import free_port
-from systemone.runtime.batch_sizing import BatchSizing
 from systemone.runtime.service import DecisionService
 from systemone.server.app import ServerOptions, create_app
 
@@ -19,28 +18,10 @@ def port_of(base: str) -> int:
     return int(base.rsplit(":", 1)[1])
 
 
-# Rows a call measured by an earlier live server of this process, by artifact, form and engine budget.
-_MEASURED: dict[tuple, BatchSizing] = {}
-
-
-def measured_once(service: DecisionService) -> None:
-    """`service` takes the rows a call an earlier service of the same artifact, form and budget measured, as `serve`
-    keeps a start's measurement for the artifact on the machine (systemone/batch_rows.py): a measurement takes
-    about 5 s on the CPU, and a test run starts many servers."""
-    engine = service.engine
-    key = (str(service.artifact.root.resolve()), service.artifact.form, repr(engine.budget), engine.captured_rows,
-           engine.max_model_len)
-    if key in _MEASURED:
-        service.adopt_batch_sizing(_MEASURED[key])
-    else:
-        _MEASURED[key] = service.batch_sizing()
-
-
 @contextmanager
 def live_server(service: DecisionService, options: ServerOptions | None = None, **uvicorn_options):
-    """Yield the base URL of a server answering with `service`; stop it (gracefully) on exit."""
-    if options is None or options.max_batch_rows is None:
-        measured_once(service)
+    """Yield the base URL of a server answering with `service`; stop it (gracefully) on exit. Its rows a call are
+    measured once per graph in the run (tests/conftest.py)."""
     with serving(create_app(service, options), **uvicorn_options) as base:
         yield base
 
