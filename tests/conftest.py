@@ -189,6 +189,35 @@ def torch_references_computed_once_per_checkpoint(run_directory) -> Iterator[Non
 
 
 @pytest.fixture(scope="session", autouse=True)
+def d3_runtime_files_made_once_per_checkpoint(run_directory) -> Iterator[None]:
+    """d3's tokenizer, chat template and decision config as export writes them, made once per test run for each
+    checkpoint's contents and shared by the workers: transformers rebuilds Qwen3.5's tokenizer in about 5 s, in
+    each of a dozen exports of the same checkpoints."""
+    import json
+
+    from systemone.export.d3 import config
+
+    write = config.write_runtime_files
+
+    def once(checkpoint: Path, out: Path) -> dict:
+        made = run_directory / "runtime-files" / checkpoint_contents(checkpoint)
+
+        def make(path: Path) -> None:
+            path.mkdir()
+            returned = write(checkpoint, path)
+            (path.parent / f"{path.name}.json").write_text(json.dumps(returned))
+
+        once_in_the_run(made, make)
+        for file in made.iterdir():
+            shutil.copyfile(file, Path(out) / file.name)
+        return json.loads((made.parent / f"{made.name}.json").read_text())
+
+    config.write_runtime_files = once
+    yield
+    config.write_runtime_files = write
+
+
+@pytest.fixture(scope="session", autouse=True)
 def rows_a_call_measured_once_per_graph(run_directory) -> Iterator[None]:
     """A service's rows a call measured once per test run and shared by its workers, keyed by the text graph's files,
     the engine, provider, thread count and budget, as `serve` keeps a start's measurement for an artifact on the
@@ -243,7 +272,8 @@ def made_once(run_directory) -> Callable[[str, Callable[[Path], Path]], Path]:
 @pytest.fixture(scope="session", autouse=True)
 def each_worker_starts_with_its_own_artifact(request, traces_made_once_per_checkpoint,
                                               torch_references_computed_once_per_checkpoint,
-                                              rows_a_call_measured_once_per_graph, artifact_cache) -> None:
+                                              rows_a_call_measured_once_per_graph,
+                                              d3_runtime_files_made_once_per_checkpoint, artifact_cache) -> None:
     """Under pytest-xdist, worker N first makes the N-th of the run's shared artifacts: the first tests of both
     workers need one, and a worker whose first test needs the artifact the other is exporting otherwise waits for it
     idle (74 s of a fresh clone's CI). After the run's memos (autouse fixtures are set up in the order of their
