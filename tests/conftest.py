@@ -27,6 +27,11 @@ from systemone.runtime.service import DecisionService
 EVERY_FORM = ["portable", "cuda-fused-fp16", "cuda-fused-mixed", "cuda-fused", "cuda-fp16", "cuda-mixed",
               "cuda-fp16-matmuls"]
 
+# The artifacts the run exports once and every worker reads (fixture: path in the run's directory), in the order the
+# workers make them.
+SHARED_ARTIFACTS = {"d3_artifact": "art/d3-tiny", "d1_artifact": "art/d1-tiny",
+                    "d3_causal_artifact": "art/d3-tiny-causal"}
+
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One core a worker: onnxruntime's and torch's thread pools otherwise each take every core, and two workers'
@@ -270,18 +275,26 @@ def made_once(run_directory) -> Callable[[str, Callable[[Path], Path]], Path]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def each_worker_starts_with_its_own_artifact(request, traces_made_once_per_checkpoint,
+def each_worker_starts_with_its_own_artifact(request, run_directory, traces_made_once_per_checkpoint,
                                               torch_references_computed_once_per_checkpoint,
                                               rows_a_call_measured_once_per_graph,
                                               d3_runtime_files_made_once_per_checkpoint, artifact_cache) -> None:
-    """Under pytest-xdist, worker N first makes the N-th of the run's shared artifacts: the first tests of both
-    workers need one, and a worker whose first test needs the artifact the other is exporting otherwise waits for it
-    idle (74 s of a fresh clone's CI). After the run's memos (autouse fixtures are set up in the order of their
-    names), so that these exports fill them."""
+    """Under pytest-xdist, worker N first makes the N-th of the run's shared artifacts, then each one no worker has
+    begun: the first tests of every worker need one, and a worker whose test needs an artifact another is exporting
+    waits for it idle (74 s of a fresh clone's CI when both began with d3's; 30 s for the causal one, made late by
+    the first test to need it). After the run's memos (autouse fixtures are set up in the order of their names), so
+    that these exports fill them."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    order = ["d3_artifact", "d1_artifact", "d3_causal_artifact"]
-    if worker.startswith("gw") and int(worker[2:]) < len(order):
-        request.getfixturevalue(order[int(worker[2:])])
+    if not worker.startswith("gw"):
+        return
+    order = list(SHARED_ARTIFACTS)
+    own = int(worker[2:])
+    if own < len(order):
+        request.getfixturevalue(order[own])
+    for name in order[int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", len(order))):]:
+        path = run_directory / SHARED_ARTIFACTS[name]
+        if not path.with_name(f"{path.name}.lock").exists():  # once_in_the_run's lock: begun or made
+            request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="session")
@@ -298,13 +311,14 @@ def d3_causal_checkpoint(made_once) -> Path:
 
 @pytest.fixture(scope="session")
 def d3_artifact(d3_checkpoint, made_once) -> Path:
-    return made_once("art/d3-tiny", lambda path: export_checkpoint(str(d3_checkpoint), path, forms=EVERY_FORM))
+    return made_once(SHARED_ARTIFACTS["d3_artifact"],
+                     lambda path: export_checkpoint(str(d3_checkpoint), path, forms=EVERY_FORM))
 
 
 @pytest.fixture(scope="session")
 def d3_causal_artifact(d3_causal_checkpoint, made_once) -> Path:
-    return made_once("art/d3-tiny-causal", lambda path: export_checkpoint(str(d3_causal_checkpoint), path,
-                                                                       forms=EVERY_FORM))
+    return made_once(SHARED_ARTIFACTS["d3_causal_artifact"],
+                     lambda path: export_checkpoint(str(d3_causal_checkpoint), path, forms=EVERY_FORM))
 
 
 @pytest.fixture(scope="session")
@@ -338,7 +352,8 @@ def d1_checkpoint(made_once) -> Path:
 
 @pytest.fixture(scope="session")
 def d1_artifact(d1_checkpoint, made_once) -> Path:
-    return made_once("art/d1-tiny", lambda path: export_checkpoint(str(d1_checkpoint), path, forms=EVERY_FORM))
+    return made_once(SHARED_ARTIFACTS["d1_artifact"],
+                     lambda path: export_checkpoint(str(d1_checkpoint), path, forms=EVERY_FORM))
 
 
 @pytest.fixture(scope="session")
