@@ -292,9 +292,13 @@ def each_worker_starts_with_its_own_artifact(request, run_directory, traces_made
     if own < len(order):
         request.getfixturevalue(order[own])
     for name in order[int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", len(order))):]:
-        path = run_directory / SHARED_ARTIFACTS[name]
-        if not path.with_name(f"{path.name}.lock").exists():  # once_in_the_run's lock: begun or made
-            request.getfixturevalue(name)
+        claim = run_directory / f"{SHARED_ARTIFACTS[name]}.claimed"
+        claim.parent.mkdir(parents=True, exist_ok=True)
+        try:  # one worker claims it, at once (its checkpoint is built before once_in_the_run's lock is taken)
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue
+        request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="session")
