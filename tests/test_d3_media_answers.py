@@ -74,11 +74,11 @@ def reference(d3_checkpoint):
     model = config.model
     encode, kept = model.get_image_features, {}
 
-    def once_per_media(pixel_values, grid_thw=None, **named):
-        key = (hashlib.sha256(pixel_values.detach().cpu().numpy().tobytes()).hexdigest(), repr(grid_thw.tolist()),
-               repr(sorted(named.items())))
+    def once_per_media(pixel_values, image_grid_thw=None, **named):  # get_image_features' own signature
+        key = (hashlib.sha256(pixel_values.detach().cpu().numpy().tobytes()).hexdigest(),
+               repr(image_grid_thw.tolist()), repr(sorted(named.items())))
         if key not in kept:
-            kept[key] = encode(pixel_values, grid_thw, **named)
+            kept[key] = encode(pixel_values, image_grid_thw, **named)
         return kept[key]
 
     model.get_image_features = once_per_media  # videos are encoded through it too

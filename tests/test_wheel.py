@@ -1,7 +1,7 @@
 """What `pip install` gives is what is tested: the wheel built from this checkout, installed with the [cpu] extra into
 a fresh virtual environment (no torch, no checkout on its path), imports every registered family and answers the
-sample request against an artifact. Its dependencies come from the package index, or pip's cache once the test
-environment's own install has filled it."""
+sample request against an artifact. Its dependencies come from pip's configured package index (the test
+environment's own install, by uv, fills only uv's cache)."""
 
 from __future__ import annotations
 
