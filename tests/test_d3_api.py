@@ -97,13 +97,15 @@ def test_prompt_longer_than_max_model_len_is_refused_not_truncated(d3_artifact, 
     body = {"state": "word " * 50, "questions": {"q": NOUL}}
     (prompt,) = d3_service.render(body)
     n = len(prompt.token_ids)
-    exact = TestClient(create_app(DecisionService(Artifact.load(d3_artifact),
-                                                  EngineOptions(device="cpu", max_model_len=n))))
-    assert post(exact, body).status_code == 200  # n == max_model_len is allowed (spec 4.12)
-    short = TestClient(create_app(DecisionService(Artifact.load(d3_artifact),
-                                                  EngineOptions(device="cpu", max_model_len=n - 1))))
-    assert_error(post(short, body), 400, f"question 'q': the prompt has {n} tokens, more than "
-                                         f"max_model_len={n - 1}; nothing is truncated")
+
+    def limited(max_model_len: int) -> TestClient:
+        service = DecisionService(Artifact.load(d3_artifact), EngineOptions(device="cpu", max_model_len=max_model_len))
+        service.adopt_batch_sizing(d3_service.batch_sizing())  # as `serve` takes a kept one: no measurement here
+        return TestClient(create_app(service))
+
+    assert post(limited(n), body).status_code == 200  # n == max_model_len is allowed (spec 4.12)
+    assert_error(post(limited(n - 1), body), 400, f"question 'q': the prompt has {n} tokens, more than "
+                                                  f"max_model_len={n - 1}; nothing is truncated")
 
 
 # -- spec 6.3: thinking is ignored by d3 ------------------------------------------------------------------------
