@@ -1,7 +1,8 @@
-"""Fuzz: 3,000 generated bad requests against a live loopback d3 server and 3,000 against a d1 one (whose
+"""Fuzz: 3,000 generated bad requests against a live loopback d3 server and 1,000 against a d1 one (whose
 valid body also carries instructions and chat_template_kwargs). Zero 5xx, zero hangs, every body JSON, and the
-server still answers a good request afterwards (decision 1). 3,000 at this seed reach every refusal the generator
-reached in 10,000 (docs/decisions/test-suite-time.md)."""
+server still answers a good request afterwards (decision 1). At this seed d3's 3,000 reach every refusal the
+generator reached in 10,000; d1's 1,000 reach all it reaches by 3,000, its own among them, and d3's run the rest
+(docs/decisions/test-suite-time.md)."""
 
 from __future__ import annotations
 
@@ -147,5 +148,5 @@ def test_three_thousand_bad_requests_d3(d3_service):
     fuzz(d3_service, VALID_D3, 3_000)
 
 
-def test_three_thousand_bad_requests_d1(d1_service):
-    fuzz(d1_service, VALID_D1, 3_000)
+def test_a_thousand_bad_requests_d1(d1_service):
+    fuzz(d1_service, VALID_D1, 1_000)
