@@ -30,7 +30,7 @@ def in_use_mb():
     return (info.uordblks + info.hblkhd) / 2**20
 
 
-engine = DecisionService(Artifact.load(sys.argv[1]), EngineOptions(device="cpu")).engine
+engine = DecisionService(Artifact.load(sys.argv[1]), EngineOptions(device="cpu", threads=1)).engine
 if sys.argv[2] == "keeps-per-shape":
     kept, run_rows = [], engine.run_rows
 
