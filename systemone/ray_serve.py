@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -221,6 +222,9 @@ def serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
                       max_replicas=args.max_replicas, ongoing=args.replica_ongoing,
                       gpus=1.0 if args.device == "cuda" else 0.0)
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False)
+    # Ctrl-C (SIGINT) stops it whatever this process inherited, as serve without replicas stops (uvicorn sets its
+    # own handler): a process started in the background of a script inherits SIGINT ignored, and would run on.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_application(args, api_key, scaling), name="systemone", route_prefix="/")
