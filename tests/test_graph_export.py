@@ -76,9 +76,12 @@ class ReadLog:
 
 
 def test_a_graph_is_traced_without_reading_its_weights(d3_causal_checkpoint, monkeypatch):
+    # d3's fused causal text graph: the embedding table, and the most weights folded into recipes of any (the
+    # joint projections' row slices, a layer each); the portable one adds a chunk loop that reads no weight, at
+    # three times the trace.
     config = _config(d3_causal_checkpoint)
     log = ReadLog(monkeypatch)
-    traced = trace_graph(config.graphs()[0], config.skeleton.tensors)
+    traced = trace_graph(config.graphs(fused=True)[0], config.skeleton.tensors)
     assert all(size <= READABLE_WHILE_TRACED for _, size in log.reads), log.reads
     assert not any(key.endswith("embed_tokens.weight") for key, _ in log.reads)
     virtual = [t for t in traced.proto().graph.initializer if recipe_of(t) is not None]
