@@ -15,7 +15,6 @@ import pytest
 from tests.d1_checkpoint import build_d1_checkpoint
 from tests.d3_checkpoint import build_d3_checkpoint
 from systemone.export.pipeline import export_checkpoint
-from systemone.export.source import file_hashes
 from systemone.runtime.artifact import Artifact
 from systemone.runtime.engine import EngineOptions
 from systemone.runtime.pixel_workers import PixelWorkers
@@ -93,13 +92,12 @@ def file_contents(path: Path) -> str:
 
 
 def checkpoint_contents(root: Path) -> str:
-    """A digest of the checkpoint's files as they are now (hashed again only when a file's size or time changes)."""
+    """A digest of the checkpoint's files as they are now, by relative path (each hashed again only when its size or
+    time changes)."""
     root = Path(root)
-    stamp = (str(root.resolve()), tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns)
-                                               for p in root.rglob("*") if p.is_file())))
-    if stamp not in _CONTENTS:
-        _CONTENTS[stamp] = hashlib.sha256(repr(sorted(file_hashes(root).items())).encode()).hexdigest()
-    return _CONTENTS[stamp]
+    files = sorted(path for path in root.rglob("*") if path.is_file())
+    return hashlib.sha256(repr([(str(path.relative_to(root)), file_contents(path)) for path in files]).encode()
+                          ).hexdigest()
 
 
 @pytest.fixture(scope="session", autouse=True)
