@@ -2,9 +2,8 @@
 # torch==2.13.0 is the CPU wheel; transformers is pinned to the release the reference behaviour was read from.
 # The packages are installed by uv where it can be had (the same resolution as pip's, from pip's own indexes, links
 # and constraints, in a fraction of the time: docs/decisions/test-suite-time.md), else by pip. Byte-code is written
-# at first import, for the third of the environment's modules the scripts use, rather than for all at install:
-# where PYTHONDONTWRITEBYTECODE is set (these machines), every process would otherwise compile torch and
-# transformers again at import (about 17 s of a core each).
+# at first import, for the modules the scripts use, rather than for the whole environment at install (the same
+# record); where PYTHONDONTWRITEBYTECODE is set (these machines), every process would compile them again.
 set -euo pipefail
 unset PYTHONDONTWRITEBYTECODE
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,8 +30,7 @@ print(shlex.join(out))'
 install_with_uv() {
   .venv/bin/python -m pip install -q uv || return 1
   # eval: pip_sources prints its flags quoted (shlex.join)
-  eval ".venv/bin/uv pip install --python .venv/bin/python --index-strategy unsafe-best-match \
-    $(pip_sources)" \
+  eval ".venv/bin/uv pip install --python .venv/bin/python --index-strategy unsafe-best-match $(pip_sources)" \
     '-e ".[${EXTRAS:-test}]"'
 }
 if ! install_with_uv > .cache/pip-install.log 2>&1 \
