@@ -228,7 +228,8 @@ def serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_application(args, api_key, scaling), name="systemone", route_prefix="/")
-        print(f"systemone serve: replicas      {scaling.deployment_options()} on Ray {ray.__version__}", flush=True)
+        print(f"systemone serve: replicas      {scaling.deployment_options()} on Ray {ray.__version__} "
+              f"(cluster {ray.get_runtime_context().gcs_address})", flush=True)
         print(f"systemone serve: address       http://{args.host}:{args.port}/v1/systemone", flush=True)
         while True:
             time.sleep(3600)
