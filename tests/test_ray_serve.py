@@ -1,24 +1,32 @@
 """`systemone serve --replicas N` (systemone/ray_serve.py): replicas of the server on a local Ray instance, two of
-the tiny d3 artifact on CPUs. Through the front the HTTP contract is the server's own (answers, errors, limits), and
-a replica killed under load loses nothing: every request is answered 200 or 503 with Retry-After, none hangs, and
-Ray starts a replica in its place."""
+the tiny d3 artifact on CPUs, started as a user starts them, through the command. Through the front the HTTP
+contract is the server's own (answers, errors, limits); a replica killed under load loses nothing: every request is
+answered 200 or 503 with Retry-After, none hangs, and Ray starts a replica in its place; Ctrl-C stops the command
+and its Ray. One command serves the module's tests, in order: a Ray instance and its replicas are most of their
+time (docs/decisions/test-suite-time.md)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import ray
 from ray import serve
 
-from systemone.cli import build_parser
-from systemone.ray_serve import REPLICA_HEADER, Scaling, build_application
+from systemone.ray_serve import REPLICA_HEADER
 
 BODY = {"state": "The parcel arrived crushed.",
         "questions": {"refund": {"type": "noul", "instructions": "Should we refund?"},
@@ -46,29 +54,69 @@ def replicas() -> list[str]:
             if a["name"].startswith("SERVE_REPLICA::systemone#Replica")]
 
 
+@dataclass
+class Command:
+    process: subprocess.Popen
+    url: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def output(self) -> str:
+        return "".join(self.lines)[-2000:]
+
+
 @pytest.fixture(scope="module")
-def ray_app(d3_artifact):
+def replicated(d3_artifact):
+    """`systemone serve ARTIFACT --replicas 2` started with SIGINT ignored, as a script's background job is (it ran
+    on through Ctrl-C, and a suite started so hung); this process joins its Ray as a second driver, to see and kill
+    its replicas."""
     port = free_port()
-    args = build_parser().parse_args(["serve", str(d3_artifact), "--device", "cpu", "--max-batch-rows", "8",
-                                      "--max-body-bytes", str(MAX_BODY), "--media-processes", "0"])
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    command = ["/bin/sh", "-c", "trap '' INT; exec \"$0\" \"$@\"",  # SIGINT ignored, kept across the exec
+               sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu", "--replicas",
+               "2", "--port", str(port), "--max-batch-rows", "8", "--max-body-bytes", str(MAX_BODY),
+               "--media-processes", "0"]
+    server = Command(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env={**os.environ, "RAY_ADDRESS": ""}))
+    address = f"http://127.0.0.1:{port}/v1/systemone"
+    cluster: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        for line in server.process.stdout:
+            server.lines.append(line)
+            cluster.extend(re.findall(r"\(cluster (\S+)\)", line))
+            if address in line:
+                up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_application(args, None, Scaling(replicas=2, tries=3)), name="systemone", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        assert up.wait(240), server.output()
+        server.url = f"http://127.0.0.1:{port}"
+        # The local Ray that `ray.init` starts takes token authentication, its token in ~/.ray, which a driver
+        # reads where it finds the cluster itself ("auto"), not where it is given an address.
+        ray.init(address="auto", log_to_driver=False)
+        assert ray.get_runtime_context().gcs_address == cluster[0], (cluster, server.output())
+        yield server
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()  # before its Ray stops: a driver whose cluster is gone ends its process
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGINT)
+            try:
+                server.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+        reader.join(timeout=10)
 
 
-def test_the_api_through_the_replicas_is_the_servers(ray_app, d3_service):
+def test_the_api_through_the_replicas_is_the_servers(replicated, d3_service):
     """Each request answered through the front as one server answers it: the answers (to 1e-6), and for bad
     requests the same status and body; the replica that answered is named."""
     from fastapi.testclient import TestClient
 
     from systemone.server.app import ServerOptions, create_app
 
-    status, headers, payload = post(ray_app + "/v1/systemone", json.dumps(BODY).encode())
+    status, headers, payload = post(replicated.url + "/v1/systemone", json.dumps(BODY).encode())
     assert status == 200, payload
     want = d3_service.answer(d3_service.prepare(BODY))["answers"]
     got = json.loads(payload)["answers"]
@@ -80,16 +128,16 @@ def test_the_api_through_the_replicas_is_the_servers(ray_app, d3_service):
         for body in (b"{not json", json.dumps({"state": "x", "questions": {}}).encode(),
                      json.dumps({"state": "x", "questions": {"q": {"type": "rank"}}}).encode(),
                      b"{" + b" " * MAX_BODY + b"}"):
-            status, _, payload = post(ray_app + "/v1/systemone", body)
+            status, _, payload = post(replicated.url + "/v1/systemone", body)
             direct = server.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
             assert (status, json.loads(payload)) == (direct.status_code, direct.json()), body[:40]
             assert 400 <= status < 500
     for path in ("/health", "/v1/models", "/ready", "/metrics"):
-        with urllib.request.urlopen(ray_app + path, timeout=30) as response:
+        with urllib.request.urlopen(replicated.url + path, timeout=30) as response:
             assert response.status == 200
 
 
-def test_a_replica_killed_under_load_loses_no_request(ray_app):
+def test_a_replica_killed_under_load_loses_no_request(replicated):
     """Four clients in a closed loop for 8 s; one replica killed 2 s in. Every response is 200, or 503 with
     Retry-After (a request whose tries all met lost replicas); none is another status, none times out; requests
     are answered after the kill; and Ray brings the replicas back to two."""
@@ -100,7 +148,7 @@ def test_a_replica_killed_under_load_loses_no_request(ray_app):
     def client(_: int) -> list[tuple[int, float, dict[str, str]]]:
         out = []
         while time.monotonic() < deadline:
-            status, headers, _ = post(ray_app + "/v1/systemone", body, timeout=30)
+            status, headers, _ = post(replicated.url + "/v1/systemone", body, timeout=30)
             out.append((status, time.monotonic(), headers))
         return out
 
@@ -119,44 +167,18 @@ def test_a_replica_killed_under_load_loses_no_request(ray_app):
             break
         time.sleep(0.5)
     assert len(replicas()) == 2
-    status, _, _ = post(ray_app + "/v1/systemone", body)
+    status, _, _ = post(replicated.url + "/v1/systemone", body)
     assert status == 200
 
 
-def test_serve_with_replicas_answers_and_stops_on_ctrl_c(d3_artifact):
-    """`systemone serve ARTIFACT --replicas 2`: its own local Ray, the address line once the replicas are up, a
-    request answered 200 through the front, and Ctrl-C stopping Ray and the command (exit 0), even started with
-    SIGINT ignored, as a script's background job is (it ran on, and a suite started so hung here)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import threading
-
-    port = free_port()
-    address = f"http://127.0.0.1:{port}/v1/systemone"
-    command = ["/bin/sh", "-c", "trap '' INT; exec \"$0\" \"$@\"",  # SIGINT ignored, kept across the exec
-               sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu", "--replicas",
-               "2", "--port", str(port), "--max-batch-rows", "8", "--media-processes", "0"]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "RAY_ADDRESS": ""})
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        for line in server.stdout:
-            lines.append(line)
-            if address in line:
-                up.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert up.wait(240), "".join(lines)[-2000:]
-        status, headers, _ = post(address, json.dumps(BODY).encode())
-        assert status == 200 and REPLICA_HEADER.decode() in {k.lower() for k in headers}
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(timeout=120)
-        reader.join(timeout=10)
-    assert server.returncode == 0, "".join(lines)[-2000:]
+def test_ctrl_c_stops_the_command_and_its_ray(replicated):
+    """The module's last test: Ctrl-C ends the command (exit 0), started with SIGINT ignored, and the Ray it
+    started with it."""
+    cluster = ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    replicated.process.send_signal(signal.SIGINT)
+    replicated.process.wait(timeout=120)
+    assert replicated.process.returncode == 0, replicated.output()
+    host, port = cluster.rsplit(":", 1)
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=5).close()
