@@ -192,6 +192,7 @@ def test_a_hub_id_exports_from_the_hub_cache(d1_checkpoint, tmp_path, monkeypatc
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     out = export_checkpoint("LiquidAI/d1-tiny", tmp_path / "out", lengths=(7,), forms=["portable"])
+    assert not list(tmp_path.glob(".out.*")), "a staging folder was left behind"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["source"] == "LiquidAI/d1-tiny" and manifest["family"] == "d1"
     assert Artifact.load(out).source == "LiquidAI/d1-tiny"
