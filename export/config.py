@@ -89,6 +89,13 @@ class Gate:
     graph: str | None = None
 
 
+def write_tokenizer(tokenizer: Any, out: Path) -> None:
+    """`out`/tokenizer.json from a transformers tokenizer's backend, without indentation: the runtime reads, hashes
+    and parses the whole file at every start, and the indentation more than doubles it
+    (docs/decisions/tokenizer-load.md)."""
+    tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"), pretty=False)
+
+
 @dataclass(frozen=True)
 class RuntimeFiles:
     """The non-graph files an export writes (tokenizer, chat template, family files) and what the manifest

@@ -23,6 +23,7 @@ import numpy as np
 from ..models.registry import FAMILIES, FamilyRegistry
 from ..runtime.artifact import PORTABLE, GraphEntry, Manifest
 from ..runtime.session import resolve_device
+from ..runtime.tokenizer import PromptTokenizer
 from .config import ExportConfig, HalfForm, ParityError
 from .forms import form_steps, start_form_traces, traced_source, write_forms
 from .graph_export import OPSET, GraphExports, TracedGraph
@@ -209,6 +210,7 @@ def export_checkpoint(source: str, out: str | Path, *, revision: str | None = No
             source_files=file_hashes(checkpoint),
             max_model_len=config.max_model_len, opset=OPSET, model=files.model_fields,
             tokenizer_class=files.tokenizer_class, special_tokens=files.special_tokens,
+            max_token_chars=PromptTokenizer(staging / "tokenizer.json").max_token_chars(),
             graphs={spec.name: GraphEntry(spec.file if plan.portable else "", shapes[spec.name], spec.outputs,
                                           "float32", reports.get(spec.name)) for spec in graphs},
             parity=reports.get(None, {"summary": "no portable graphs written (the forms' gates say how they "

@@ -86,6 +86,8 @@ class Manifest:
     special_tokens: dict[str, Any]
     tokenizer_class: str
     source_files: dict[str, str] = field(default_factory=dict)
+    # Characters of the tokenizer's longest entry, read off its vocabulary at export (0: not recorded).
+    max_token_chars: int = 0
     opset: int = 18
     versions: dict[str, str] = field(default_factory=dict)
     exported_at: str = ""
@@ -96,8 +98,8 @@ class Manifest:
     linked: dict[str, int] = field(default_factory=dict)
 
     COMMON = ("format", "format_version", "family", "source", "checkpoint", "max_model_len", "graphs", "parity",
-              "special_tokens", "tokenizer_class", "source_files", "opset", "versions", "exported_at", "forms",
-              "linked")
+              "special_tokens", "tokenizer_class", "max_token_chars", "source_files", "opset", "versions",
+              "exported_at", "forms", "linked")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Manifest:
@@ -105,6 +107,7 @@ class Manifest:
         return cls(family=raw["family"], source=raw["source"], checkpoint=raw.get("checkpoint", ""),
                    max_model_len=int(raw["max_model_len"]), graphs=graphs, parity=raw.get("parity", {}),
                    special_tokens=raw.get("special_tokens", {}), tokenizer_class=raw.get("tokenizer_class", ""),
+                   max_token_chars=int(raw.get("max_token_chars", 0)),
                    source_files=raw.get("source_files", {}), opset=int(raw.get("opset", 18)),
                    versions=raw.get("versions", {}), exported_at=raw.get("exported_at", ""),
                    forms={name: FormEntry(**form) for name, form in raw.get("forms", {}).items()},
@@ -117,6 +120,7 @@ class Manifest:
                 "source": self.source, "checkpoint": self.checkpoint, "source_files": self.source_files,
                 "max_model_len": self.max_model_len, "opset": self.opset, **self.model,
                 "tokenizer_class": self.tokenizer_class, "special_tokens": self.special_tokens,
+                **({"max_token_chars": self.max_token_chars} if self.max_token_chars else {}),
                 "graphs": {name: g.to_dict() for name, g in self.graphs.items()}, "parity": self.parity,
                 "forms": {name: form.to_dict() for name, form in self.forms.items()},
                 "versions": self.versions, "exported_at": self.exported_at,
@@ -169,6 +173,13 @@ class Artifact:
     @property
     def source(self) -> str:
         return self.manifest.source
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the tokenizer's longest entry (vLLM's bound on prompt characters per token, spec 3.9): as
+        export recorded it, or read off the vocabulary where it did not (reading it is a quarter of a start's
+        tokenizer load: docs/decisions/tokenizer-load.md)."""
+        return self.manifest.max_token_chars or self.tokenizer.max_token_chars()
 
     @property
     def max_model_len(self) -> int:

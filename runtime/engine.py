@@ -98,7 +98,7 @@ class Engine(ABC):
         self.artifact = artifact
         self.family = artifact.family
         self.prefix_reuse = options.prefix_reuse
-        self.max_chars_per_token = artifact.tokenizer.max_token_chars()
+        self.max_chars_per_token = artifact.max_token_chars
         self.session = open_graph(artifact, "text", options, capture=True)
         self.vision_session = open_graph(artifact, "vision", options)
 

@@ -97,9 +97,9 @@ class ParsedTokenizer:
         return max(len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True))
 
 
-# Tokenizers parsed in this process, by the contents of their file: parsing Qwen3.5's 33 MB tokenizer.json takes
-# about 1.5 s (and reading its vocabulary's longest entry 0.4 s), and a process that loads an artifact again (serve
-# after the CLI's checks, the tests) reads the same file. A parsed tokenizer is only read after, from any thread.
+# Tokenizers parsed in this process, by the contents of their file: parsing Qwen3.5's is most of an artifact's load
+# (docs/decisions/tokenizer-load.md), and a process that loads an artifact again (serve after the CLI's checks, the
+# tests) reads the same file. A parsed tokenizer is only read after, from any thread.
 _PARSED: OrderedDict[str, ParsedTokenizer] = OrderedDict()
 _PARSED_KEPT = 4
 _PARSING = threading.Lock()
@@ -123,7 +123,7 @@ class PromptTokenizer:
         self._parsed = parsed_tokenizer(path)
         self._tokenizer = self._parsed.tokenizer
         # Whether `encode_sharing` cuts (where exact); False encodes every text whole (timing's reference). Read
-        # from the loaded tokenizer's components: parsing the file again took 0.75 s for Qwen3.5's 33 MB.
+        # from the loaded tokenizer's components, not by parsing the file again.
         self.share_starts = _local_pieces(self._tokenizer)
         # An added token is matched across a cut only if it spans it: a cut this far inside the shared start has
         # the same added tokens around it in every prompt.

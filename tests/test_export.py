@@ -37,6 +37,26 @@ def test_artifact_is_self_contained(d3_artifact, d3_checkpoint):
     assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 
 
+def test_the_tokenizer_is_written_unindented_with_its_longest_entry_in_the_manifest(d3_artifact):
+    """A start reads tokenizer.json whole and parses it: it is written without indentation, and the characters of
+    its longest entry (the bound on a prompt's characters per token) are recorded, not read off the vocabulary at
+    every start; an artifact without the record reads them there."""
+    from dataclasses import replace
+
+    from tokenizers import Tokenizer
+
+    from systemone.runtime.artifact import Artifact
+
+    text = (d3_artifact / "tokenizer.json").read_text(encoding="utf-8")
+    assert "\n" not in text
+    longest = max(len(entry) for entry in Tokenizer.from_str(text).get_vocab(with_added_tokens=True))
+    assert json.loads((d3_artifact / "manifest.json").read_text())["max_token_chars"] == longest
+    artifact = Artifact.load(d3_artifact)
+    assert artifact.max_token_chars == longest
+    unrecorded = replace(artifact, manifest=replace(artifact.manifest, max_token_chars=0))
+    assert unrecorded.max_token_chars == longest
+
+
 def test_graph_axes_are_symbolic_and_run_at_any_length(d3_artifact):
     """The probe's trap: an export pinned to the trace length. Batch and sequence must be symbolic."""
     shapes = symbolic_axes(onnx.load(str(d3_artifact / "text.onnx"), load_external_data=False),

@@ -25,7 +25,8 @@ from ...runtime.text_state import StateLayout
 from ...runtime.session import GraphSession
 from ...runtime.text_runner import TextRunner
 from ...runtime.tokenizer import PromptTokenizer
-from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms
+from ..config import (ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms,
+                      write_tokenizer)
 from ..half_precision import FLOAT16_MATMULS
 from ..skeleton import Skeleton
 from ..stack import meta_outputs
@@ -337,7 +338,7 @@ class D1ExportConfig(ExportConfig):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-        tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+        write_tokenizer(tokenizer, out)
         _, template = processor_settings(self.checkpoint)
         template = template or tokenizer.chat_template
         if not isinstance(template, str) or not template:

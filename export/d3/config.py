@@ -21,7 +21,8 @@ from ...runtime.text_state import StateLayout
 from ...runtime.d3.vision_inputs import vision_inputs
 from ...runtime.session import GraphSession
 from ...runtime.text_runner import TextRunner
-from ..config import ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms
+from ..config import (ExportConfig, Gate, GraphSpec, HalfForm, Layer, RuntimeFiles, Stack, cuda_forms,
+                      write_tokenizer)
 from ..half_precision import FLOAT16_MATMULS
 from ..skeleton import Skeleton
 from ..stack import meta_outputs
@@ -428,7 +429,7 @@ def write_runtime_files(checkpoint: Path, out: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+    write_tokenizer(tokenizer, out)
     template = tokenizer.chat_template
     if not isinstance(template, str) or not template:
         raise ValueError("the checkpoint's tokenizer has no chat template; d3 renders with the tokenizer's own")
