@@ -8,6 +8,7 @@ settings, the vision position table).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -177,15 +178,36 @@ class D1ExportConfig(ExportConfig):
         device = self.model.device
         ids = torch.tensor([token_ids], device=device)
         if pixels is not None:
-            tensors = {k: torch.as_tensor(v).to(device) for k, v in pixels.items()}
-            tensors["pixel_values"] = tensors["pixel_values"].to(self.model.dtype)
-            out = self.model(input_ids=ids, logits_to_keep=1, **tensors)
+            features = self._image_features(pixels)
+            out = self.model(input_ids=ids, logits_to_keep=1, mm_encoder_outputs={"image": features})
         else:
             embeds = self.model.get_input_embeddings()(ids)
             if media_embeds is not None:
                 embeds[0, torch.from_numpy(media_positions).to(device)] = torch.from_numpy(media_embeds).to(device)
             out = self.model(inputs_embeds=embeds, logits_to_keep=1)
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu().numpy()
+
+    def _image_features(self, pixels: dict[str, Any]) -> Any:
+        """LFM2-VL's own vision tower and projector on `pixels` (what its forward computes from them), kept for the
+        last pixels asked: a request's questions share its images, and each question's whole prompt is read with
+        them."""
+        key = hashlib.sha256()
+        for name in sorted(pixels):
+            value = np.ascontiguousarray(pixels[name])
+            key.update(repr((name, value.dtype.str, value.shape)).encode())
+            key.update(value.tobytes())
+        kept = getattr(self, "_kept_image_features", None)
+        if kept is None or kept[0] != key.digest():
+            device = self.model.device
+            tensors = {k: torch.as_tensor(v).to(device) for k, v in pixels.items()}
+            tensors["pixel_values"] = tensors["pixel_values"].to(self.model.dtype)
+            kept = (key.digest(), self.model.model.get_image_features(**tensors, return_dict=True))
+            self._kept_image_features = kept
+        return kept[1]
+
+    def release_reference(self) -> None:
+        self._kept_image_features = None
+        super().release_reference()
 
     @torch.no_grad()
     def reference_vision(self, patches: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
