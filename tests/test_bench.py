@@ -32,7 +32,7 @@ def test_bench_compares_the_same_batches(family, request):
                        torch_dtypes=("float32",), forms=("portable", half), log=lambda line: None)
     assert report["family"] == family and set(report["forms"]) == {"portable", half}
     torch_side = report["torch"]
-    # The torch side as a user runs it: transformers' default attention, not the export reference's eager.
+    # The torch side as a user runs it: transformers' default attention.
     assert torch_side["attention_implementation"]["model"] == "sdpa"
     assert torch_side["versions"]["torch"] and torch_side["versions"]["transformers"]
     assert torch_side["timed_runs"] == 3 and torch_side["dtypes"] == ["float32"]

@@ -71,6 +71,8 @@ class D1ExportConfig(ExportConfig):
         self.checkpoint = checkpoint
         self.config = AutoConfig.from_pretrained(checkpoint)
         self.text_config = self.config.text_config
+        # Eager attention: the portable vision graph is traced through transformers' own encoder layers, whose
+        # attention follows this choice (eager's products; sdpa's traces to another graph).
         self.skeleton = Skeleton.build(Lfm2VlForConditionalGeneration, self.config, checkpoint,
                                        attn_implementation="eager")
         raw, _ = processor_settings(checkpoint)
@@ -86,8 +88,9 @@ class D1ExportConfig(ExportConfig):
     def load_reference(self) -> Any:
         from transformers import Lfm2VlForConditionalGeneration
 
+        # transformers' default attention (docs/decisions/reference-attention.md)
         return Lfm2VlForConditionalGeneration.from_pretrained(self.checkpoint, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+                                                              attn_implementation="sdpa").eval()
 
     @property
     def meta(self) -> Any:

@@ -73,8 +73,9 @@ class D3ExportConfig(ExportConfig):
         self.decision_config = DecisionConfig.load(checkpoint / "decision_config.json")
         config = AutoConfig.from_pretrained(checkpoint)
         self.text_config = config.text_config
-        # Eager attention, so that a dict of explicit masks is honoured (the reference's bidirectional mode).
-        self.skeleton = Skeleton.build(Qwen3_5Model, config, checkpoint, attn_implementation="eager")
+        # transformers' default attention, as the reference runs: the streamed reference runs these layers, and the
+        # graphs do their own attention (docs/decisions/reference-attention.md).
+        self.skeleton = Skeleton.build(Qwen3_5Model, config, checkpoint, attn_implementation="sdpa")
         readout = self.skeleton.tensors.files.get(READOUT_FILE, {})
         if "weight" not in readout:
             raise ValueError(f"{READOUT_FILE} must hold a tensor named 'weight'")
@@ -88,7 +89,8 @@ class D3ExportConfig(ExportConfig):
     def load_reference(self) -> Any:
         from transformers import Qwen3_5Model
 
-        return Qwen3_5Model.from_pretrained(self.checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+        # transformers' default attention (docs/decisions/reference-attention.md)
+        return Qwen3_5Model.from_pretrained(self.checkpoint, dtype=torch.float32, attn_implementation="sdpa").eval()
 
     def readout(self, name: str) -> torch.Tensor | None:
         """The readout's `weight` or `bias` values (fp32), for the reference."""
