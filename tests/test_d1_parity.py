@@ -12,6 +12,7 @@ import pytest
 from systemone.export.d1.answer_parity import (compare, onnx_reads, parity_requests, sixteen_questions,
                                               whole_prompt_reads)
 from systemone.export.d1.config import D1ExportConfig
+from systemone.export.sample_media import image_url
 from systemone.runtime.batch import TextRow
 from tests.answer_helpers import max_probability_diff
 
@@ -141,8 +142,10 @@ def test_with_prefix_reuse_off_every_whole_prompt_is_read_with_the_same_answers(
     service = DecisionService(Artifact.load(d1_artifact), EngineOptions(device="cpu", prefix_reuse=False),
                               served_model_names=["LiquidAI/d1-tiny"])
     monkeypatch.setattr(service.engine.runner, "prefilling", lambda *a, **k: pytest.fail("a prefix was prefilled"))
+    # An image request of 16 questions (one 512x512 tile: each whole prompt is read, 1,268 tokens) and a text one.
+    with_image = {**sixteen_questions(False), "images": [image_url(512, 512, seed=7)]}
     try:
-        for body in (sixteen_questions(True), sixteen_questions(False)):
+        for body in (with_image, sixteen_questions(False)):
             assert not service.engine.runs_whole(service.prepare(body))
             assert max_probability_diff(service.decide(body)["answers"], d1_service.decide(body)["answers"]) <= 1e-5
     finally:
