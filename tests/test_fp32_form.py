@@ -111,10 +111,12 @@ def test_the_fp32_form_answers_as_the_portable_graphs(fp32_form_artifact):
 
 
 def test_a_linked_fp32_form_reads_the_checkpoints_bf16_rows_and_keeps_none_in_host_memory(d3_checkpoint, tmp_path,
+                                                                                          fp32_form_artifact,
                                                                                           monkeypatch):
     """`--weights link` on the cuda-fp32 rung: each weight a product casts is onnxruntime's own external data, the
     checkpoint's bf16 rows in the hard-linked file, read as the checkpoint stores them (transposed in the product,
-    not in memory): the session keeps no linked arrays of its own, and the answers are the copied form's."""
+    not in memory): the session keeps no linked arrays of its own, and the answers are the copied form's (the
+    module's, written with copied weights)."""
     from functools import partial
 
     from systemone.export import pipeline
@@ -126,10 +128,10 @@ def test_a_linked_fp32_form_reads_the_checkpoints_bf16_rows_and_keeps_none_in_ho
         "refund": {"type": "noul", "instructions": "Does the customer want a refund?"},
         "mood": {"type": "score", "criteria": ["calm", "annoyed", "furious"]}}}
     answers = {}
-    for weights in ("link", "copy"):
-        out = export_checkpoint(str(d3_checkpoint), tmp_path / weights, forms=["cuda-fp32"], gate_device="cpu",
-                                weights=weights)
-        service = DecisionService(Artifact.load(out), EngineOptions(device="cpu", form="cuda-fp32"))
+    out = export_checkpoint(str(d3_checkpoint), tmp_path / "link", forms=["cuda-fp32"], gate_device="cpu",
+                            weights="link")
+    for weights, artifact in (("link", out), ("copy", fp32_form_artifact)):
+        service = DecisionService(Artifact.load(artifact), EngineOptions(device="cpu", form="cuda-fp32"))
         answers[weights] = service.decide(body)["answers"]
         if weights == "link":
             text = onnx.load(str(out / "text.cuda-fp32.onnx"), load_external_data=False)
