@@ -74,8 +74,10 @@ def replicated(d3_artifact):
                sys.executable, "-m", "systemone.cli", "serve", str(d3_artifact), "--device", "cpu", "--replicas",
                "2", "--port", str(port), "--max-batch-rows", "8", "--max-body-bytes", str(MAX_BODY),
                "--media-processes", "0"]
+    # Its Ray without token authentication, so that this process joins it by the address it names (a driver given
+    # an address reads no token): two workers' commands may run at once, and "auto" would pick either.
     server = Command(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, "RAY_ADDRESS": ""}))
+                                      env={**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "disabled"}))
     address = f"http://127.0.0.1:{port}/v1/systemone"
     cluster: list[str] = []
     up = threading.Event()
@@ -92,10 +94,7 @@ def replicated(d3_artifact):
     try:
         assert up.wait(240), server.output()
         server.url = f"http://127.0.0.1:{port}"
-        # The local Ray that `ray.init` starts takes token authentication, its token in ~/.ray, which a driver
-        # reads where it finds the cluster itself ("auto"), not where it is given an address.
-        ray.init(address="auto", log_to_driver=False)
-        assert ray.get_runtime_context().gcs_address == cluster[0], (cluster, server.output())
+        ray.init(address=cluster[0], log_to_driver=False)
         yield server
     finally:
         if ray.is_initialized():
