@@ -13,7 +13,6 @@ from systemone.export.d1.answer_parity import (compare, onnx_reads, parity_reque
                                               whole_prompt_reads)
 from systemone.export.d1.config import D1ExportConfig
 from systemone.export.sample_media import image_url
-from systemone.runtime.batch import TextRow
 from tests.answer_helpers import max_probability_diff
 
 
