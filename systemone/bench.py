@@ -225,8 +225,8 @@ def run_bench(checkpoint: Path, artifact_dir: Path, device: str = "cpu", batches
                               "forms": {}}
     shapes = shapes or tuple((b, n) for n in lengths for b in batches if b * n <= max_tokens)
     token_batches = {shape: rng.integers(0, vocab, shape) for shape in shapes}
-    # The export's reference model (eager attention, fp32) is not what is timed: each side is loaded fresh with
-    # transformers' defaults.
+    # The export's reference model (fp32) is not what is timed: each side is loaded fresh with transformers'
+    # defaults.
     model_class = type(reference.skeleton.model)
     if torch_device == "cuda":
         torch.cuda.reset_peak_memory_stats()
