@@ -69,6 +69,7 @@ class D1ExportConfig(ExportConfig):
         from transformers import AutoConfig, Lfm2VlForConditionalGeneration
 
         self.checkpoint = checkpoint
+        self._kept_image_features: tuple[bytes, Any] | None = None  # see _image_features
         self.config = AutoConfig.from_pretrained(checkpoint)
         self.text_config = self.config.text_config
         # Eager attention: the portable vision graph is traced through transformers' own encoder layers, whose
@@ -199,12 +200,12 @@ class D1ExportConfig(ExportConfig):
             value = np.ascontiguousarray(pixels[name])
             key.update(repr((name, value.dtype.str, value.shape)).encode())
             key.update(value.tobytes())
-        kept = getattr(self, "_kept_image_features", None)
-        if kept is None or kept[0] != key.digest():
+        digest, kept = key.digest(), self._kept_image_features
+        if kept is None or kept[0] != digest:
             device = self.model.device
             tensors = {k: torch.as_tensor(v).to(device) for k, v in pixels.items()}
             tensors["pixel_values"] = tensors["pixel_values"].to(self.model.dtype)
-            kept = (key.digest(), self.model.model.get_image_features(**tensors, return_dict=True))
+            kept = (digest, self.model.model.get_image_features(**tensors, return_dict=True))
             self._kept_image_features = kept
         return kept[1]
 
